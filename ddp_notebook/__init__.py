@@ -1,0 +1,31 @@
+"""Run PyTorch DDP from a Jupyter notebook: ``%load_ext ddp_notebook`` then ``%%ddp``.
+
+Importing this package is cheap on purpose: every rank imports it, so the
+notebook-only parts (IPython magics, widgets, plots) load only when used.
+"""
+from __future__ import annotations
+
+from .context import current as rank_context
+from .errors import LaunchError, RankError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "rank_context", "load_ipython_extension",
+]
+
+
+def __getattr__(name):
+    # Lazy: the launcher pulls in subprocess and socket handling the ranks never need.
+    if name in ("launch", "spawn", "last_job", "Job", "JobSpec"):
+        from . import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext ddp_notebook``: register the ``%%ddp`` magics."""
+    from .magic import register
+
+    register(ipython)

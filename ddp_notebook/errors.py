@@ -1,0 +1,102 @@
+"""Errors that cross from the ranks to the notebook, and how they are told."""
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from dataclasses import dataclass
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# A bystander's view of another rank's failure: its collective lost the peer.
+_COMM_PATTERNS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"connection reset|Socket closed|ECONNRESET|EPIPE|NCCL communicator was aborted|"
+    r"Connection refused|ProcessGroup.*(aborted|shut ?down)",
+    re.IGNORECASE,
+)
+_TIMEOUT_PATTERNS = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+
+
+class LaunchError(Exception):
+    """A job was refused before any rank started (bad flags, unpicklable name, ...)."""
+
+
+@dataclass
+class Failure:
+    """What one rank reported (or what its exit told) about why it failed."""
+
+    rank: int
+    etype: str
+    message: str
+    traceback: str
+    time: float  # when the rank caught the error (time.time() on that rank)
+    kind: str  # "user", "comm" (lost a peer), "timeout", "exit" (died without a report), "startup"
+
+    def headline(self) -> str:
+        return f"{self.etype}: {self.message}" if self.message else self.etype
+
+
+class RankError(RuntimeError):
+    """A rank failed; ``rank`` is the one that failed first, ``failures`` all reports."""
+
+    def __init__(self, failure: Failure, failures: list[Failure], note: str = ""):
+        self.rank = failure.rank
+        self.failure = failure
+        self.failures = failures
+        self.note = note
+        super().__init__(self.render())
+
+    def summary(self) -> str:
+        return f"rank {self.rank} failed: {self.failure.headline()}"
+
+    def render(self) -> str:
+        parts = [self.summary()]
+        if self.note:
+            parts.append(self.note)
+        if self.failure.traceback:
+            parts.append(f"\n--- traceback of rank {self.rank} ---\n{self.failure.traceback.rstrip()}")
+        return "\n".join(parts)
+
+
+def classify(exc: BaseException) -> str:
+    """'comm' for a lost peer, 'timeout' for a collective that timed out, else 'user'."""
+    text = f"{type(exc).__name__}: {exc}"
+    if _COMM_PATTERNS.search(text):
+        return "comm"
+    if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError") or isinstance(exc, TimeoutError):
+        return "timeout" if _TIMEOUT_PATTERNS.search(text) else "comm"
+    if _TIMEOUT_PATTERNS.search(text) and "gloo" in text.lower():
+        return "timeout"
+    return "user"
+
+
+def format_exception(exc: BaseException, labels: dict[str, str] | None = None) -> str:
+    """The traceback as the user should read it.
+
+    Frames inside ddp_notebook are dropped, and notebook cells are named the way
+    IPython names them (``Cell In[5]``), with the cell's own line numbers.
+    """
+    labels = labels or {}
+    te = traceback.TracebackException.from_exception(exc, capture_locals=False)
+    seen = set()
+    link = te
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        frames = [f for f in link.stack if not f.filename.startswith(_PACKAGE_DIR + os.sep)]
+        link.stack = traceback.StackSummary.from_list(
+            [traceback.FrameSummary(labels.get(f.filename, f.filename), f.lineno, f.name, line=f.line) for f in frames]
+        )
+        link = link.__cause__ or link.__context__
+    return "".join(te.format())
+
+
+def blame(failures: list[Failure]) -> Failure:
+    """The failure that caused the others.
+
+    A bystander whose collective lost its peer fails too, sometimes before the
+    real report arrives; so real errors come before lost-peer errors, and within
+    a kind the earliest time on the ranks' own clocks wins, not arrival order.
+    """
+    order = {"user": 0, "startup": 0, "exit": 1, "timeout": 2, "comm": 3}
+    return min(failures, key=lambda f: (order.get(f.kind, 0), f.time, f.rank))

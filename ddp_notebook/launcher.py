@@ -1,0 +1,585 @@
+"""Start, watch and stop the ranks of a job.
+
+One mechanism for the magic, ``launch`` and ``spawn``: a :class:`Job` starts
+each rank as ``python -m ddp_notebook.worker`` in its own session, hands it the
+torchrun environment contract, serves it a task over the authenticated channel,
+relays its output, and reports every event to its listeners.  It knows nothing
+of dashboards: views subscribe with :meth:`Job.add_listener`.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_ready
+from typing import Any, Callable
+
+from . import gpus as gpu_discovery
+from . import payload
+from .channel import ChannelServer
+from .errors import Failure, LaunchError, RankError, blame
+from .output import OutputRelay
+
+Listener = Callable[["Job", str, int, dict], None]
+
+DEFAULT_CPU_RANKS = 2
+# Hooks for what later chooses devices when a cell names none (picker, pool).
+_default_devices: Callable[[], tuple[str, Any] | None] | None = None
+_last_job: "Job | None" = None
+
+
+@dataclass
+class JobSpec:
+    """Where and how the ranks run."""
+
+    world_size: int
+    gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES entries; None for CPU ranks
+    backend: str = "gloo"
+    port: int | None = None
+    seed: int | None = None
+    timeout: float | None = None  # per collective, passed to init_process_group
+    startup_timeout: float = 120.0
+    init_group: bool = True
+    output_ranks: set[int] | None = None  # None: every rank's output
+    master_addr: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # told to the user at start
+
+
+def _parse_gpu_arg(gpus: Any) -> int | list[int]:
+    if isinstance(gpus, bool):
+        raise LaunchError(f"gpus must be a count or a list of indices, not {gpus!r}")
+    if isinstance(gpus, int):
+        return gpus
+    if isinstance(gpus, str):
+        text = gpus.strip()
+        if "," not in text:
+            try:
+                return int(text)
+            except ValueError:
+                raise LaunchError(f"--gpus {gpus!r}: give a count (2) or indices (0,2,5; one index is written 3,)") from None
+        try:
+            return [int(p) for p in text.split(",") if p.strip()]
+        except ValueError:
+            raise LaunchError(f"--gpus {gpus!r}: indices must be integers, as in 0,2,5") from None
+    return [int(i) for i in gpus]
+
+
+def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | None = None) -> JobSpec:
+    """Turn the user's device request into a spec, or refuse it before anything starts."""
+    if gpus is not None and cpus is not None:
+        raise LaunchError("give either gpus or cpus, not both")
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}")
+    notes: list[str] = []
+    if gpus is None and cpus is None and _default_devices is not None:
+        chosen = _default_devices()
+        if chosen is not None:
+            kind, value = chosen
+            gpus, cpus = (value, None) if kind == "gpus" else (None, value)
+            notes.append(f"using the {kind} chosen in the picker: {value}")
+    if cpus is not None:
+        if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
+            raise LaunchError(f"cpus must be a positive number of ranks, not {cpus!r}")
+        if backend == "nccl":
+            raise LaunchError("the nccl backend needs GPUs; CPU ranks use gloo")
+        return JobSpec(world_size=cpus, backend="gloo", notes=notes)
+    available = gpu_discovery.discover()
+    if gpus is None:
+        if not available:
+            if backend == "nccl":
+                raise LaunchError("the nccl backend needs GPUs, and this machine has none")
+            return JobSpec(world_size=DEFAULT_CPU_RANKS, backend="gloo", notes=notes)
+        chosen_gpus = available
+    else:
+        request = _parse_gpu_arg(gpus)
+        if isinstance(request, int):
+            if request < 1:
+                raise LaunchError(f"gpus must be at least 1, not {request}")
+            if request > len(available):
+                raise LaunchError(f"{request} GPUs asked for, but this machine has {len(available)}: "
+                                  f"{gpu_discovery.describe(available)}")
+            chosen_gpus = sorted(gpu_discovery.least_busy(available, request), key=lambda g: g.index)
+            if request < len(available):
+                notes.append(f"using the {request} least busy GPUs: {', '.join(str(g.index) for g in chosen_gpus)}")
+        else:
+            if not request:
+                raise LaunchError("--gpus: no GPU index given")
+            if len(set(request)) != len(request):
+                raise LaunchError(f"--gpus lists a GPU twice: {request}")
+            by_index = {g.index: g for g in available}
+            unknown = [i for i in request if i not in by_index]
+            if unknown:
+                raise LaunchError(f"GPU {', '.join(map(str, unknown))} not found; this machine has "
+                                  f"{len(available)}: {gpu_discovery.describe(available)}")
+            chosen_gpus = [by_index[i] for i in request]
+    return JobSpec(world_size=len(chosen_gpus), gpus=[g.visible_id for g in chosen_gpus],
+                   backend=backend or "nccl", notes=notes)
+
+
+def _bind_port(addr: str, port: int | None) -> socket.socket:
+    """A listening socket for rank 0's TCPStore: the port is never free for anyone else to take."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port or 0))
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(f"port {port} is already in use on {addr}; pick another or leave --port out "
+                              f"for a free one. No rank was started.") from None
+        raise
+    return sock
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class Job:
+    """A running (or finished) job; ``result()`` waits for it and returns the per-rank values."""
+
+    def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0):
+        self.spec = spec
+        self.task = task
+        self.relay = relay or OutputRelay(ranks=spec.output_ranks)
+        self.grace = grace
+        self.listeners: list[Listener] = []
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.pids: dict[int, int] = {}
+        self.port: int | None = None
+        self.workdir: str | None = None
+        self._procs: list[subprocess.Popen] = []
+        self._pipes: dict[int, tuple[int, str]] = {}  # fd -> (rank, stream)
+        self._conns: dict[Any, int] = {}  # connection -> rank
+        self._results: dict[int, Any] = {}
+        self._failures: dict[int, Failure] = {}
+        self._ready: set[int] = set()
+        self._exited: dict[int, int] = {}
+        self._first_failure_at: float | None = None
+        self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
+        self._channel: ChannelServer | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- listeners -------------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(job, kind, rank, body)`` for every event a rank sends."""
+        self.listeners.append(listener)
+
+    def _emit(self, kind: str, rank: int, body: dict) -> None:
+        for listener in list(self.listeners):
+            listener(self, kind, rank, body)
+
+    # -- start -----------------------------------------------------------
+    def start(self) -> "Job":
+        global _last_job
+        _last_job = self
+        spec = self.spec
+        self.started_at = time.time()
+        self.workdir = tempfile.mkdtemp(prefix="ddp_notebook-")  # mode 0700
+        store_sock = None
+        try:
+            path = payload.write(self.task, self.workdir)
+            self._channel = ChannelServer(spec.master_addr)
+            if spec.init_group:
+                store_sock = _bind_port(spec.master_addr, spec.port)
+                self.port = store_sock.getsockname()[1]
+            else:
+                self.port = spec.port or _free_port(spec.master_addr)
+            self._task_message = ("run", {"task": 1, "path": path, "seed": spec.seed})
+            for rank in range(spec.world_size):
+                self._start_rank(rank, store_sock)
+        except BaseException:
+            self._teardown()
+            raise
+        finally:
+            if store_sock is not None:
+                store_sock.close()  # rank 0 holds its own copy
+        self._emit("started", -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
+        return self
+
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        spec = self.spec
+        env = dict(os.environ)
+        env.update(spec.env)
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(spec.world_size), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": spec.master_addr,
+            "MASTER_PORT": str(self.port), "PYTHONUNBUFFERED": "1", "DDP_NOTEBOOK_RANK": str(rank),
+        })
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.world_size))
+        if spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        # The kernel's matplotlib backend would make every rank import ipykernel.
+        env.pop("MPLBACKEND", None)
+        return env
+
+    def _start_rank(self, rank: int, store_sock: socket.socket | None) -> None:
+        spec = self.spec
+        pass_fds = ()
+        boot = {
+            "rank": rank, "local_rank": rank, "world_size": spec.world_size, "local_world_size": spec.world_size,
+            "address": list(self._channel.address), "key": self._channel.key.hex(),
+            "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
+            "gpus": spec.gpus is not None, "backend": spec.backend, "init_group": spec.init_group,
+            "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
+            "timeout": spec.timeout, "startup_timeout": spec.startup_timeout,
+        }
+        if rank == 0 and store_sock is not None:
+            os.set_inheritable(store_sock.fileno(), True)
+            pass_fds = (store_sock.fileno(),)
+            boot["store_fd"] = store_sock.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_notebook.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=self._rank_env(rank), cwd=os.getcwd(), start_new_session=True,
+            pass_fds=pass_fds,
+        )
+        self._procs.append(proc)
+        self.pids[rank] = proc.pid
+        proc.stdin.write(json.dumps(boot).encode())
+        proc.stdin.close()
+        for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self._pipes[pipe.fileno()] = (rank, stream)
+
+    # -- watch -----------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def _pump(self, timeout: float = 0.1) -> None:
+        for conn in self._channel.new_connections():
+            self._conns[conn] = -1
+        ready = wait_ready(list(self._conns) + list(self._pipes), timeout)
+        for obj in ready:
+            if isinstance(obj, int):
+                self._read_pipe(obj)
+            else:
+                self._read_conn(obj)
+        self.relay.maybe_flush()
+        self._check_exits()
+        self._check_progress()
+
+    def _read_pipe(self, fd: int) -> None:
+        rank, stream = self._pipes[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if data:
+            self.relay.feed(rank, stream, data)
+        else:
+            del self._pipes[fd]
+
+    def _read_conn(self, conn) -> None:
+        try:
+            while conn.poll():
+                kind, body = conn.recv()
+                self._on_message(conn, kind, body)
+        except (EOFError, OSError):
+            self._conns.pop(conn, None)
+            conn.close()
+
+    def _on_message(self, conn, kind: str, body: dict) -> None:
+        rank = self._conns.get(conn, -1)
+        if kind == "hello":
+            rank = int(body["rank"])
+            self._conns[conn] = rank
+            conn.send(self._task_message)
+        elif rank < 0:
+            return  # nothing counts before a rank has said who it is
+        elif kind == "ready":
+            self._ready.add(rank)
+        elif kind == "result":
+            try:
+                self._results[rank] = pickle.loads(body["value"])
+            except Exception as exc:
+                self._add_failure(Failure(rank, type(exc).__name__, f"its return value could not be unpickled "
+                                          f"in the notebook: {exc}", "", time.time(), "user"))
+        elif kind == "failed":
+            self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"], body["kind"]))
+        self._emit(kind, rank, body)
+
+    def _add_failure(self, failure: Failure) -> None:
+        if failure.rank in self._failures:
+            return
+        self._failures[failure.rank] = failure
+        if self._first_failure_at is None:
+            self._first_failure_at = time.monotonic()
+
+    def _check_exits(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if rank in self._exited:
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            self._exited[rank] = code
+            self._drain_rank(rank)
+            if rank not in self._results and rank not in self._failures and self._outcome is None and not self._finishing:
+                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+                if code == -signal.SIGABRT:
+                    how += " (abort or crash)"
+                elif code == -signal.SIGSEGV:
+                    how += " (segmentation fault)"
+                self._add_failure(Failure(rank, "RankDied", f"rank {rank} {how} without reporting an error",
+                                          "", time.time(), "exit"))
+            self._emit("exited", rank, {"code": code})
+
+    def _drain_rank(self, rank: int) -> None:
+        for fd, (r, _) in list(self._pipes.items()):
+            if r == rank:
+                while fd in self._pipes:
+                    try:
+                        self._read_pipe(fd)
+                    except OSError:
+                        self._pipes.pop(fd, None)
+        for conn, r in list(self._conns.items()):
+            if r == rank:
+                self._read_conn(conn)
+
+    _finishing = False
+
+    def _check_progress(self) -> None:
+        spec = self.spec
+        n = spec.world_size
+        if self._failures:
+            answered = set(self._results) | set(self._failures) | set(self._exited)
+            first = min(self._failures.values(), key=lambda f: f.time)
+            wait = 0.3 if any(f.kind in ("user", "startup") for f in self._failures.values()) else self.grace
+            if len(answered) == n or time.monotonic() - self._first_failure_at >= wait:
+                self._fail()
+            return
+        if len(self._results) == n:
+            self._outcome = ("ok", [self._results[r] for r in range(n)])
+            return
+        if len(self._ready) + len(self._exited) < n and time.time() - self.started_at > spec.startup_timeout \
+                and spec.init_group:
+            late = sorted(set(range(n)) - self._ready)
+            self._add_failure(Failure(late[0], "StartupTimeout",
+                                      f"ranks {', '.join(map(str, late))} did not join the process group within "
+                                      f"{spec.startup_timeout:.0f} s (start-up bound, not --timeout)",
+                                      "", time.time(), "startup"))
+
+    def _fail(self) -> None:
+        failures = sorted(self._failures.values(), key=lambda f: f.rank)
+        cause = blame(failures)
+        note = ""
+        timed_out = [f.rank for f in failures if f.kind == "timeout"]
+        if cause.kind == "timeout":
+            finished = sorted(self._results)
+            note = f"ranks {', '.join(map(str, timed_out))} were stuck in a collective until --timeout " \
+                   f"({self.spec.timeout} s)"
+            if finished:
+                note += f"; rank(s) {', '.join(map(str, finished))} finished without joining it"
+        others = [f.rank for f in failures if f.rank != cause.rank]
+        if others and cause.kind != "timeout":
+            note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
+        self._outcome = ("error", RankError(cause, failures, note))
+
+    # -- wait / stop -----------------------------------------------------
+    def result(self) -> list[Any]:
+        """Wait for the job; the per-rank return values, or raise the first rank's error."""
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._run()
+        kind, value = self._outcome
+        if kind == "error":
+            raise value
+        return value
+
+    def _run(self) -> None:
+        try:
+            while self._outcome is None:
+                self._pump()
+        except BaseException:
+            self.stop()
+            raise
+        self._finish()
+
+    def run_in_background(self) -> "Job":
+        self._thread = threading.Thread(target=self._run_quietly, name="ddp-job", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run_quietly(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001
+            if self._outcome is None:
+                self._outcome = ("error", exc)
+
+    def _finish(self) -> None:
+        """Let ranks exit cleanly on success; stop them at once on failure."""
+        self._finishing = True
+        if self._outcome[0] == "ok":
+            for conn in list(self._conns):
+                try:
+                    conn.send(("exit", {}))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10
+            while len(self._exited) < len(self._procs) and time.monotonic() < deadline:
+                self._pump(0.05)
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop every rank (and anything it started), reap them and remove the job's files."""
+        self._finishing = True
+        self._kill_ranks()
+        self._teardown()
+        if self._outcome is None:
+            self._outcome = ("error", KeyboardInterrupt())
+        self.ended_at = time.time()
+        self._emit("ended", -1, {"ok": self._outcome[0] == "ok"})
+
+    def _kill_ranks(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil is a dependency
+            psutil = None
+        strays = []
+        for proc in self._procs:
+            if proc.poll() is None and psutil is not None:
+                try:
+                    strays += psutil.Process(proc.pid).children(recursive=True)
+                except psutil.Error:
+                    pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self._procs if p.poll() is None]
+            for proc in alive:
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for child in strays:  # descendants that left the rank's process group
+                try:
+                    child.send_signal(sig)
+                except Exception:
+                    pass
+            deadline = time.monotonic() + (1.0 if sig == signal.SIGTERM else 5.0)
+            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not any(p.poll() is None for p in alive):
+                break
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for rank in range(len(self._procs)):
+            self._drain_rank(rank)
+        self.relay.flush(final=True)
+        for proc in self._procs:
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        self._pipes.clear()
+
+    def _teardown(self) -> None:
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+        if self._channel is not None:
+            self._channel.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+
+def last_job() -> Job | None:
+    """The most recently started job."""
+    return _last_job
+
+
+def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
+           port: int | None = None, seed: int | None = None, backend: str | None = None,
+           timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values."""
+    spec = resolve_devices(gpus, cpus, backend)
+    spec.port, spec.seed, spec.timeout = port, seed, timeout
+    task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, _sources_for(fn))
+    return run_job(spec, task)
+
+
+def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+          start_method: str = "spawn") -> Any:
+    """Drop-in for ``torch.multiprocessing.spawn`` that accepts notebook-defined functions.
+
+    Calls ``fn(rank, *args)`` in ``nprocs`` processes; the user's code sets up
+    the process group (MASTER_ADDR/MASTER_PORT are preset to a free port).
+    Returns the per-rank return values, or with ``join=False`` a handle whose
+    ``join()`` waits (``daemon`` and ``start_method`` are accepted and ignored).
+    """
+    spec = JobSpec(world_size=nprocs, backend="gloo", init_group=False)
+    gpu_list = gpu_discovery.discover()
+    if gpu_list:
+        # As under mp.spawn, every process sees every GPU and picks its own.
+        spec.gpus = [g.visible_id for g in gpu_list]
+    task = payload.CallTask(fn, tuple(args), {}, True, _sources_for(fn))
+    if join:
+        return run_job(spec, task)
+    return SpawnContext(_checked_job(spec, task).start().run_in_background())
+
+
+class SpawnContext:
+    """What ``spawn(..., join=False)`` returns, like ``mp.spawn``'s ProcessContext."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.pids = lambda: [job.pids[r] for r in sorted(job.pids)]
+
+    def join(self, timeout: float | None = None) -> bool:
+        """True once every process has finished; raises the first rank's error."""
+        self.job._thread.join(timeout)
+        if not self.job.done or self.job._thread.is_alive():
+            return False
+        self.job.result()
+        return True
+
+    def result(self) -> list[Any]:
+        return self.job.result()
+
+
+def _sources_for(fn: Callable) -> payload.Sources:
+    code = getattr(fn, "__code__", None)
+    return payload.notebook_sources({code.co_filename} if code else set())
+
+
+def _checked_job(spec: JobSpec, task: Any) -> Job:
+    return Job(spec, payload.dumps(task))
+
+
+def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = ()) -> list[Any]:
+    job = _checked_job(spec, task)
+    for listener in listeners:
+        job.add_listener(listener)
+    for note in spec.notes:
+        print(f"ddp_notebook: {note}", file=sys.stderr)
+    return job.start().result()

@@ -1,0 +1,232 @@
+"""What crosses from the notebook to the ranks.
+
+A task is built in the notebook, written once with cloudpickle into the job's
+private directory, and loaded by every rank, which calls ``task.run(ctx)``.
+Notebook-defined functions and classes travel by value, so nothing has to be
+importable from ``__main__`` in the ranks.  Rank side: no IPython here.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import io
+import linecache
+import os
+import pickle
+import sys
+import types
+from collections import ChainMap
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cloudpickle
+
+from .errors import LaunchError
+
+RANK_NAMES = ("rank", "local_rank", "world_size", "device")
+
+# Names IPython keeps in the user namespace that a cell never means to ship.
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh", "_ii", "_iii", "_i"}
+
+
+@dataclass
+class Sources:
+    """Source text of notebook cells, so rank tracebacks show their lines."""
+
+    texts: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for filename, text in self.texts.items():
+            linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+
+
+@dataclass
+class CellTask:
+    """Run a notebook cell's code with the notebook names it uses."""
+
+    code: str
+    filename: str
+    line_offset: int
+    names: dict[str, Any]
+    returns: list[str]
+    sources: Sources
+
+    def run(self, ctx, namespace: dict | None = None) -> Any:
+        self.sources.install()
+        tree = ast.parse(self.code, self.filename, "exec")
+        ast.increment_lineno(tree, self.line_offset)
+        compiled = compile(tree, self.filename, "exec")
+        ns = namespace if namespace is not None else {}
+        ns.setdefault("__name__", "__main__")
+        ns.setdefault("__builtins__", builtins)
+        ns.update(self.names)
+        ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
+        exec(compiled, ns)
+        missing = [n for n in self.returns if n not in ns]
+        if missing:
+            raise NameError(f"--return names {', '.join(missing)} that the cell did not assign")
+        if ctx.rank != 0:
+            return None
+        return {n: to_cpu(ns[n]) for n in self.returns}
+
+
+@dataclass
+class CallTask:
+    """Call ``fn(*args, **kwargs)``, or ``fn(rank, *args)`` for spawn."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    pass_rank: bool
+    sources: Sources
+
+    def run(self, ctx, namespace: dict | None = None) -> Any:
+        self.sources.install()
+        if self.pass_rank:
+            return to_cpu(self.fn(ctx.rank, *self.args, **self.kwargs))
+        return to_cpu(self.fn(*self.args, **self.kwargs))
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors to CPU and wrapped modules (DDP, torch.compile) to the plain module."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.Module):
+        while hasattr(value, "module") and isinstance(value.module, torch.nn.Module) and type(value).__name__ in (
+            "DistributedDataParallel",
+            "DataParallel",
+        ):
+            value = value.module
+        value = getattr(value, "_orig_mod", value)
+        return value.cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items()) if type(value) is dict else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def names_used(code: str) -> set[str]:
+    """Every name the code reads, anywhere (functions and comprehensions included)."""
+    tree = ast.parse(code)
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            used.add(node.id)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            used.update(node.names)
+    return used
+
+
+def check_syntax(code: str, line_offset: int, label: str) -> None:
+    try:
+        ast.parse(code)
+    except SyntaxError as exc:
+        line = (exc.lineno or 0) + line_offset
+        text = (exc.text or "").rstrip()
+        caret = ""
+        if text and exc.offset:
+            caret = "\n    " + " " * (exc.offset - 1 - (len(text) - len(text.lstrip()))) + "^"
+        raise LaunchError(
+            f"SyntaxError in {label}, line {line}: {exc.msg}\n    {text.strip()}{caret}\nNo rank was started."
+        ) from None
+
+
+def select_names(code: str, user_ns: dict) -> tuple[dict[str, Any], list[str]]:
+    """The notebook names the cell reads; and the rank names it would shadow."""
+    used = names_used(code)
+    shadowed = sorted(n for n in RANK_NAMES if n in used and n in user_ns)
+    chosen = {}
+    for name in used:
+        if name in RANK_NAMES or name in _IPYTHON_NAMES or name.startswith("_i") or name not in user_ns:
+            continue
+        if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
+            continue
+        chosen[name] = user_ns[name]
+    return chosen, shadowed
+
+
+def _code_reduce_keeping_filename(code: types.CodeType):
+    # cloudpickle >= 3.1 replaces co_filename with "<dynamic-code>"; the ranks
+    # need the real one so tracebacks can show the notebook cell's lines.
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def dumps(task: Any) -> bytes:
+    """Pickle the task once; if that fails, find and name the culprit."""
+    try:
+        return _dumps(task)
+    except Exception:
+        pass
+    if isinstance(task, CellTask):
+        parts = dict(task.names)
+    elif isinstance(task, CallTask):
+        parts = {"the function": task.fn}
+        parts.update({f"args[{i}]": a for i, a in enumerate(task.args)})
+        parts.update({f"kwargs[{k!r}]": v for k, v in task.kwargs.items()})
+    else:
+        parts = {"the task": task}
+    for name, value in parts.items():
+        try:
+            _dumps(value)
+        except Exception as exc:
+            raise LaunchError(
+                f"cannot send {name!r} ({type(value).__name__}) to the ranks: {type(exc).__name__}: {exc}\n"
+                f"Create it inside the cell (or the function) instead, so each rank makes its own. No rank was started."
+            ) from None
+    raise LaunchError("cannot pickle what the ranks need; no rank was started")
+
+
+def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
+    """Cell sources held only in memory (IPython's cells), with IPython's labels."""
+    sources = Sources()
+    shell = None
+    if "IPython" in sys.modules:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    filename_map = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+    budget = 4 << 20
+    for filename, entry in list(linecache.cache.items()):
+        if len(entry) != 4 or entry[1] is not None and filename not in extra_files:
+            continue  # real files are read from disk by the ranks
+        if filename not in filename_map and filename not in extra_files and not filename.startswith("<"):
+            continue
+        text = "".join(entry[2])
+        if len(text) > budget:
+            break
+        budget -= len(text)
+        sources.texts[filename] = text
+        if filename in filename_map:
+            sources.labels[filename] = f"Cell In[{filename_map[filename]}]"
+    return sources
+
+
+def write(task: Any, directory: str, name: str = "task.pkl") -> str:
+    """Write the task to an owner-only file in the job's private directory."""
+    data = task if isinstance(task, bytes) else dumps(task)
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
+
+
+def load(path: str) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)

@@ -1,0 +1,188 @@
+"""A rank's entry point: ``python -m ddp_notebook.worker``.
+
+The notebook writes a small JSON bootstrap (channel address, key, rank, ...) to
+the rank's stdin.  The rank connects back, sets up the process group once, then
+serves tasks until told to exit.  If the notebook goes away (channel closed or
+parent gone), the rank ends its own process group at once: an orphan must never
+hold a GPU.  Rank side: no IPython, ipywidgets or matplotlib here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import queue
+
+from . import channel, context, payload
+from .errors import classify, format_exception
+
+_PARENT_POLL_S = 0.5
+
+
+def _die_with_group() -> None:
+    """Take the whole rank (and its DataLoader workers) down, now."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            _die_with_group()
+
+
+def _receive_tasks(conn, tasks: "queue.Queue") -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            _die_with_group()
+            return
+        tasks.put(msg)
+        if msg[0] == "exit":
+            return
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if boot["gpus"]:
+        torch.cuda.set_device(ctx.local_rank)
+        ctx.device = torch.device("cuda", ctx.local_rank)
+    else:
+        ctx.device = torch.device("cpu")
+    if not boot["init_group"]:
+        return
+    startup = datetime.timedelta(seconds=boot["startup_timeout"])
+    extra = {}
+    if boot.get("store_fd") is not None:
+        extra["master_listen_fd"] = boot["store_fd"]
+    store = dist.TCPStore(
+        boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
+        timeout=startup, wait_for_workers=False, **extra,
+    )
+    kwargs = {}
+    if boot.get("timeout"):
+        kwargs["timeout"] = datetime.timedelta(seconds=boot["timeout"])
+    if boot["backend"] == "nccl":
+        kwargs["device_id"] = ctx.device
+    dist.init_process_group(boot["backend"], store=store, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+
+
+def _failure(exc: BaseException, labels: dict, kind: str | None = None) -> dict:
+    return {
+        "etype": type(exc).__name__,
+        "message": str(exc),
+        "traceback": format_exception(exc, labels),
+        "time": time.time(),
+        "kind": kind or classify(exc),
+    }
+
+
+def _report_failure(sender, body: dict) -> None:
+    # Fault injection for the blame tests: make this rank's report arrive late,
+    # after the bystanders' lost-peer errors.
+    delay = float(os.environ.get("DDP_NOTEBOOK_TEST_DELAY_FAILURE_REPORT", "0") or 0)
+    if delay and body["kind"] == "user":
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        time.sleep(delay)
+    sender.send("failed", body)
+
+
+def main() -> None:
+    boot = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    sys.path[:] = boot["sys_path"]
+    parent = os.getppid()
+    if parent != boot["parent_pid"]:
+        _die_with_group()
+    threading.Thread(target=_watch_parent, args=(parent,), name="ddp-parent-watch", daemon=True).start()
+
+    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))
+    sender = channel.Sender(conn)
+    ctx = context.RankContext(
+        rank=boot["rank"], local_rank=boot["local_rank"], world_size=boot["world_size"],
+        local_world_size=boot["local_world_size"], sender=sender,
+    )
+    context.set_current(ctx)
+    sender.send("hello", {"rank": ctx.rank, "pid": os.getpid()})
+    tasks: queue.Queue = queue.Queue()
+    threading.Thread(target=_receive_tasks, args=(conn, tasks), name="ddp-channel-recv", daemon=True).start()
+
+    try:
+        _init_process_group(boot, ctx)
+    except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported
+        _report_failure(sender, _failure(exc, {}, kind="startup"))
+        sender.flush()
+        os._exit(1)
+    sender.send("ready", {})
+
+    namespace: dict = {}  # kept across tasks: a warm rank remembers the cell's names
+    while True:
+        kind, body = tasks.get()
+        if kind == "exit":
+            break
+        if kind != "run":
+            continue
+        task = None
+        try:
+            task = payload.load(body["path"])
+            if body.get("seed") is not None:
+                _seed_everything(body["seed"])
+            value = task.run(ctx, namespace)
+            import cloudpickle
+
+            sender.send("result", {"task": body["task"], "value": cloudpickle.dumps(value)})
+        except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
+            labels = task.sources.labels if task is not None else {}
+            body_out = _failure(exc, labels)
+            body_out["task"] = body["task"]
+            _report_failure(sender, body_out)
+        sender.flush()
+
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    sender.send("bye", {})
+    sender.flush()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

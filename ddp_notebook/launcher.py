@@ -35,6 +35,39 @@ Listener = Callable[["Job", str, int, dict], None]
 DEFAULT_CPU_RANKS = 2
 # Hooks for what later chooses devices when a cell names none (picker, pool).
 _default_devices: Callable[[], tuple[str, Any] | None] | None = None
+# Who may set that default, first one with an answer wins: a warm pool over the GPU picker.
+DEFAULT_SOURCES = ("pool", "picker")
+_default_sources: dict[str, Callable[[], tuple[str, Any] | None]] = {}
+_default_source_used = "picker"
+
+
+def set_default_devices(fn: Callable[[], tuple[str, Any] | None] | None, source: str = "picker") -> None:
+    """Install (or, with None, remove) what chooses the devices of cells and launches that name none.
+
+    ``fn()`` returns ``("gpus", [indices])``, ``("cpus", n)`` or None (no opinion);
+    explicit ``--gpus``/``--cpus`` always win, and a ``"pool"`` wins over the ``"picker"``.
+    """
+    global _default_devices
+    if source not in DEFAULT_SOURCES:
+        raise ValueError(f"source must be one of {DEFAULT_SOURCES}, not {source!r}")
+    if fn is None:
+        _default_sources.pop(source, None)
+    else:
+        _default_sources[source] = fn
+    _default_devices = _from_default_sources if _default_sources else None
+
+
+def _from_default_sources() -> tuple[str, Any] | None:
+    global _default_source_used
+    for source in DEFAULT_SOURCES:
+        fn = _default_sources.get(source)
+        chosen = fn() if fn is not None else None
+        if chosen is not None:
+            _default_source_used = source
+            return chosen
+    return None
+
+
 _last_job: "Job | None" = None
 
 
@@ -87,7 +120,8 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
         if chosen is not None:
             kind, value = chosen
             gpus, cpus = (value, None) if kind == "gpus" else (None, value)
-            notes.append(f"using the {kind} chosen in the picker: {value}")
+            where = "by the warm pool" if _default_source_used == "pool" else "in the GPU picker"
+            notes.append(f"using the {kind} chosen {where}: {value}")
     if cpus is not None:
         if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
             raise LaunchError(f"cpus must be a positive number of ranks, not {cpus!r}")
@@ -111,7 +145,8 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
                                   f"{gpu_discovery.describe(available)}")
             chosen_gpus = sorted(gpu_discovery.least_busy(available, request), key=lambda g: g.index)
             if request < len(available):
-                notes.append(f"using the {request} least busy GPUs: {', '.join(str(g.index) for g in chosen_gpus)}")
+                notes.append(f"using the {request} least busy GPUs: "
+                             + ", ".join(f"{g.index} ({g.load_text()})" for g in chosen_gpus))
         else:
             if not request:
                 raise LaunchError("--gpus: no GPU index given")
@@ -123,6 +158,10 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
                 raise LaunchError(f"GPU {', '.join(map(str, unknown))} not found; this machine has "
                                   f"{len(available)}: {gpu_discovery.describe(available)}")
             chosen_gpus = [by_index[i] for i in request]
+    shared = [g for g in chosen_gpus if g.our_ranks]
+    if shared:
+        notes.append("already running a ddp_notebook job: "
+                     + "; ".join(f"GPU {g.index}: {g.jobs_text()}" for g in shared))
     return JobSpec(world_size=len(chosen_gpus), gpus=[g.visible_id for g in chosen_gpus],
                    backend=backend or "nccl", notes=notes)
 
@@ -248,7 +287,7 @@ class Job:
             "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
             "gpus": spec.gpus is not None, "backend": spec.backend, "init_group": spec.init_group,
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
-            "timeout": spec.timeout, "startup_timeout": spec.startup_timeout,
+            "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
         }
         if rank == 0 and store_sock is not None:
             os.set_inheritable(store_sock.fileno(), True)

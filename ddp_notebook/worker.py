@@ -21,11 +21,16 @@ from . import channel, context, payload
 from .errors import classify, format_exception
 
 _PARENT_POLL_S = 0.5
+_job_dir: str | None = None  # the notebook's private job directory, removed if the notebook dies
 
 
 def _die_with_group() -> None:
-    """Take the whole rank (and its DataLoader workers) down, now."""
+    """The notebook is gone: remove what it left and take the whole rank (and its DataLoader workers) down."""
     try:
+        if _job_dir:
+            import shutil
+
+            shutil.rmtree(_job_dir, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:
         os._exit(137)
@@ -122,6 +127,8 @@ def main() -> None:
     boot = json.loads(sys.stdin.read())
     sys.stdin.close()
     sys.path[:] = boot["sys_path"]
+    global _job_dir
+    _job_dir = boot.get("job_dir")
     parent = os.getppid()
     if parent != boot["parent_pid"]:
         _die_with_group()

@@ -1,0 +1,48 @@
+import os
+import sys
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Ranks inherit the environment: this tag tells our ranks from those of other runs on the machine.
+TEST_TAG = os.environ.setdefault("DDP_NOTEBOOK_TEST_TAG", __import__("uuid").uuid4().hex)
+
+
+def rank_processes():
+    """Every live ddp_notebook rank on this machine (by its command line)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if "ddp_notebook.worker" in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE \
+                    and proc.environ().get("DDP_NOTEBOOK_TEST_TAG") == TEST_TAG:
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def job_dirs():
+    import tempfile
+
+    base = tempfile.gettempdir()
+    return {d for d in os.listdir(base) if d.startswith("ddp_notebook-")}
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if it leaves a rank, a zombie child or a job directory behind."""
+    before_dirs = job_dirs()
+    yield
+    import time
+
+    deadline = time.time() + 5
+    while rank_processes() and time.time() < deadline:
+        time.sleep(0.1)
+    assert rank_processes() == []
+    me = psutil.Process()
+    zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == []
+    assert job_dirs() - before_dirs == set()

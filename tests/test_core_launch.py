@@ -1,0 +1,204 @@
+"""launch() and spawn() with real gloo ranks, and refusals before any rank starts."""
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import ddp_notebook
+from ddp_notebook import LaunchError, RankError, launcher
+from conftest import rank_processes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _inspect(seed_check):
+    import random
+    import sys
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    ctx = ddp_notebook.rank_context()
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+
+    class Squares(torch.utils.data.Dataset):  # defined here: travels by value, like a notebook class
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.tensor(i * i)
+
+    loader = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2)
+    return {
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                               "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")},
+        "sum": t.item(), "ctx": (ctx.rank, ctx.world_size, str(ctx.device)),
+        "cwd": os.getcwd(), "path_head": sys.path[:3], "backend": dist.get_backend(),
+        "random": (random.random(), float(np.random.rand()), float(torch.rand(1))),
+        "loaded": sorted(int(x) for b in loader for x in b), "tensor": torch.ones(2, requires_grad=True) * seed_check,
+    }
+
+
+def test_launch_runs_on_every_rank_with_the_torchrun_contract(no_leftovers, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = ddp_notebook.launch(_inspect, (3,), cpus=2, seed=5)
+    assert len(out) == 2
+    for rank, values in enumerate(out):
+        env = values["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 2))
+        assert values["sum"] == 3.0
+        assert values["ctx"] == (rank, 2, "cpu")
+        assert values["backend"] == "gloo"
+        assert values["cwd"] == str(tmp_path)
+        assert values["loaded"] == [i * i for i in range(8)]  # DataLoader workers with a by-value dataset
+        assert values["tensor"].tolist() == [3.0, 3.0] and not values["tensor"].requires_grad
+    assert out[0]["random"] == out[1]["random"]  # --seed: identical on every rank
+    assert out[0]["env"]["MASTER_PORT"] == out[1]["env"]["MASTER_PORT"]
+
+
+def _fails_on_rank_1():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that never comes
+
+
+def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_leftovers, monkeypatch):
+    # The failing rank closes its process group first and reports 1.5 s later, so rank 0's
+    # lost-peer error reaches the notebook first: first-come blame would name rank 0.
+    monkeypatch.setenv("DDP_NOTEBOOK_TEST_DELAY_FAILURE_REPORT", "1.5")
+    started = time.time()
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_fails_on_rank_1, cpus=2)
+    err = info.value
+    assert err.rank == 1
+    assert "ValueError: rank one is broken" in str(err)
+    assert 'raise ValueError("rank one is broken")' in err.failure.traceback
+    bystander = [f for f in err.failures if f.rank == 0]
+    assert bystander and bystander[0].kind == "comm", err.failures
+    assert time.time() - started < 20
+
+
+def test_a_failing_rank_stops_a_bystander_blocked_in_a_collective(no_leftovers):
+    started = time.time()
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_fails_on_rank_1, cpus=2)
+    assert info.value.rank == 1
+    assert "traceback of rank 1" in str(info.value)
+    assert rank_processes() == []
+    assert time.time() - started < 15
+
+
+def _killed_by_signal():
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal(no_leftovers):
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_killed_by_signal, cpus=2)
+    assert info.value.rank == 1
+    assert "SIGKILL" in str(info.value)
+
+
+def _seed_style_train(rank, world_size, scale):
+    # As in the PyTorch tutorial and the seed recipe: the user's code sets up the group.
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item() * scale
+
+
+def test_spawn_is_a_drop_in_for_mp_spawn(no_leftovers):
+    assert ddp_notebook.spawn(_seed_style_train, args=(2, 10), nprocs=2) == [10.0, 10.0]
+    context = ddp_notebook.spawn(_seed_style_train, args=(2, 1), nprocs=2, join=False, daemon=False,
+                                 start_method="spawn")
+    while not context.join(timeout=0.5):
+        pass
+    assert context.result() == [1.0, 1.0]
+
+
+def test_three_jobs_at_once_get_distinct_ports(no_leftovers):
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = ddp_notebook.launch(lambda: int(os.environ["MASTER_PORT"]), cpus=2)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    ports = {results[i][0] for i in range(3)}
+    assert len(ports) == 3
+
+
+def test_refusals_come_before_any_rank_starts(monkeypatch):
+    lock = threading.Lock()
+    with pytest.raises(LaunchError, match=r"args\[0\].*lock"):
+        ddp_notebook.launch(lambda x: x, (lock,), cpus=2)
+    with pytest.raises(LaunchError, match="either gpus or cpus"):
+        ddp_notebook.launch(print, gpus=1, cpus=2)
+    with pytest.raises(LaunchError, match="nccl backend needs GPUs"):
+        ddp_notebook.launch(print, cpus=2, backend="nccl")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"port {port} is already in use"):
+            ddp_notebook.launch(print, cpus=2, port=port)
+    from ddp_notebook import gpus
+
+    two = [gpus.GPU(i, "NVIDIA H200", 0, 141 << 30, 0, str(i)) for i in range(2)]
+    monkeypatch.setattr(gpus, "discover", lambda: two)
+    with pytest.raises(LaunchError, match=r"3 GPUs asked for, but this machine has 2: 0: NVIDIA H200"):
+        ddp_notebook.launch(print, gpus=3)
+    with pytest.raises(LaunchError, match="GPU 5 not found"):
+        ddp_notebook.launch(print, gpus="0,5")
+    assert rank_processes() == []
+
+
+def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch):
+    from ddp_notebook import gpus
+
+    inventory = [gpus.GPU(i, "GPU", used << 30, 80 << 30, util, str(i)) for i, (used, util) in
+                 enumerate([(70, 90), (1, 0), (40, 50), (1, 10)])]
+    monkeypatch.setattr(gpus, "discover", lambda: inventory)
+    spec = launcher.resolve_devices("0,2")
+    assert spec.gpus == ["0", "2"] and spec.world_size == 2 and spec.backend == "nccl"
+    assert launcher.resolve_devices("3,").gpus == ["3"]
+    least = launcher.resolve_devices(2)
+    assert least.gpus == ["1", "3"] and "least busy" in least.notes[0]
+    assert launcher.resolve_devices(None).world_size == 4
+    assert launcher.resolve_devices(2, backend="gloo").backend == "gloo"
+    job = launcher.Job(least, b"")
+    job.port = 1234
+    env = job._rank_env(1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["LOCAL_RANK"] == "1"

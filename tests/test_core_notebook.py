@@ -1,0 +1,152 @@
+"""The %%ddp magic in real Jupyter kernels: results, errors, interrupt and a killed kernel."""
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from conftest import rank_processes
+from nbrun import error, run_cells, text
+
+pytestmark = pytest.mark.timeout(240)
+
+SETUP = '''import torch
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+    def forward(self, x):
+        return self.lin(x)
+def broken(x):
+    y = x + 1
+    raise ValueError(f"broken with {y}")
+scale = 3
+rank = "the notebook's rank"'''
+
+
+def test_magic_end_to_end_in_a_kernel(no_leftovers):
+    nb, _ = run_cells([
+        "%load_ext ddp_notebook",
+        SETUP,
+        # 2: names come from the notebook, results come back from rank 0
+        '''%%ddp --cpus 2 --seed 7 --return total,model,draws
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+total = torch.ones(2) * (rank + 1) * scale
+dist.all_reduce(total)
+model = DDP(Net())
+draws = torch.rand(3)
+gathered = [torch.zeros(3) for _ in range(world_size)]
+dist.all_gather(gathered, draws)
+assert torch.equal(gathered[0], gathered[1])
+print("on", rank, "of", world_size, device)''',
+        "print(total.tolist(), type(model).__name__, model(torch.ones(1, 3)).shape, draws.shape)",
+        # 4: a failure in a function from an earlier cell: rank traceback with the cells' own lines
+        '''%%ddp --cpus 2
+import torch.distributed as dist
+if rank == 1:
+    broken(41)
+dist.all_reduce(torch.ones(1))''',
+        "%%ddp --cpus 2\nx = (",
+        "import threading\nlock = threading.Lock()",
+        "%%ddp --cpus 2\nwith lock:\n    pass",
+        "%%ddp --cpus 2 --gpus 1\npass",
+        "%%ddp --cpus two\npass",
+        "%%ddp --gpus 99\npass",
+        "%%ddp --cpus 2 --output 0\nprint('only from', rank)",
+        "%%ddp --cpus 2 --return missing\nx = 1",
+        "print('kernel still fine')",
+    ])
+    cells = nb.cells
+    out = text(cells[2])
+    assert "[rank 0] on 0 of 2 cpu" in out and "[rank 1] on 1 of 2 cpu" in out
+    assert "'rank' is the rank's own" in out  # the notebook's `rank` is shadowed, with a warning
+    assert text(cells[3]).startswith("[9.0, 9.0] Net torch.Size([1, 1]) torch.Size([3])")
+
+    err = error(cells[4])
+    assert err.ename == "RankError"
+    shown = "\n".join(err.traceback)
+    assert "rank 1 failed: ValueError: broken with 42" in shown
+    assert f'File "Cell In[{cells[4].execution_count}]", line 4, in <module>' in shown
+    assert "    broken(41)" in shown
+    assert f'File "Cell In[{cells[1].execution_count}]", line 10, in broken' in shown
+    assert 'raise ValueError(f"broken with {y}")' in shown
+    assert "ddp_notebook" not in shown.replace("%%ddp", "")  # no launcher frames
+    assert "Connection closed" not in shown
+
+    assert re.search(r"UsageError: SyntaxError in Cell In\[\d+\], line 2: '\(' was never closed", text(cells[5]))
+    assert "cannot send 'lock' (lock) to the ranks" in text(cells[7])
+    assert "UsageError: give either gpus or cpus, not both" in text(cells[8])
+    assert "UsageError" in text(cells[9]) and "two" in text(cells[9])
+    assert "UsageError: 99 GPUs asked for, but this machine has 0" in text(cells[10])
+    for refused in cells[5], cells[7], cells[8], cells[9], cells[10]:
+        assert "[rank" not in text(refused)
+    assert text(cells[11]) == "[rank 0] only from 0\n"
+    assert "NameError: --return names missing that the cell did not assign" in text(cells[12])
+    assert text(cells[13]) == "kernel still fine\n"
+
+
+LONG_CELL = '''%%ddp --cpus 2
+import os, time
+import torch, torch.distributed as dist
+print("PID", os.getpid(), flush=True)
+for step in range(100000):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.01)'''
+
+
+def _run_until_pids(kc, code, n=2, timeout=60):
+    msg_id = kc.execute(code)
+    pids, deadline = set(), time.time() + timeout
+    while len(pids) < n and time.time() < deadline:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            pids.update(int(p) for p in re.findall(r"PID (\d+)", msg["content"]["text"]))
+    assert len(pids) == n
+    return msg_id, pids
+
+
+def _gone(pids, within):
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_interrupt_stops_every_rank_and_keeps_the_kernel(no_leftovers):
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+        for _ in range(2):
+            msg_id, pids = _run_until_pids(kc, LONG_CELL)
+            interrupted = time.time()
+            km.interrupt_kernel()
+            reply = kc.get_shell_msg(timeout=30)
+            assert reply["parent_header"]["msg_id"] == msg_id
+            assert reply["content"]["status"] == "error"
+            assert reply["content"]["ename"] == "KeyboardInterrupt"
+            assert _gone(pids, 5), "ranks survived the interrupt"
+            assert time.time() - interrupted < 10
+        reply = kc.execute_interactive("print(6 * 7)", timeout=30)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_ranks_exit_when_the_kernel_is_killed(no_leftovers):
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+        _, pids = _run_until_pids(kc, LONG_CELL)
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        assert _gone(pids, 10), "ranks outlived the kernel"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

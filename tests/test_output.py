@@ -1,0 +1,67 @@
+"""Rank output: prefixed, batched, paced, elided with a count, and the tail always shown."""
+import io
+
+import pytest
+
+import ddp_notebook
+from ddp_notebook import launcher
+from ddp_notebook.output import OutputRelay
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_relay_prefixes_batches_and_elides_the_oldest_lines():
+    out, err, clock = io.StringIO(), io.StringIO(), Clock()
+    relay = OutputRelay(out, err, interval=0.2, bytes_per_second=1000, clock=clock)
+    relay.feed(1, "stdout", b"hello\npart")
+    relay.feed(0, "stderr", b"warn\n")
+    relay.maybe_flush()
+    assert out.getvalue() == ""  # paced: nothing before the interval
+    clock.now = 0.25
+    relay.maybe_flush()
+    assert out.getvalue() == "[rank 1] hello\n" and err.getvalue() == "[rank 0] warn\n"
+    relay.feed(1, "stdout", b"ial\n" + b"".join(b"line %d\n" % i for i in range(1000)))
+    relay.flush()
+    shown = out.getvalue().splitlines()
+    assert shown[-1] == "[rank 1] line 999"
+    assert "lines elided" in shown[1] and relay.elided > 900
+    assert sum(len(s) + 1 for s in shown[2:]) <= 200 + 20  # within one interval's byte budget
+    relay.feed(0, "stdout", b"no newline at the end")
+    relay.flush(final=True)
+    assert out.getvalue().endswith("[rank 0] no newline at the end\n")
+
+
+def test_output_filter_keeps_rank_0_only():
+    out = io.StringIO()
+    relay = OutputRelay(out, io.StringIO(), ranks={0})
+    relay.feed(0, "stdout", b"a\n")
+    relay.feed(1, "stdout", b"b\n")
+    relay.flush(final=True)
+    assert out.getvalue() == "[rank 0] a\n"
+
+
+def _flood():
+    for i in range(100_000):
+        print("flood line", i)
+    return "done"
+
+
+def test_a_flooding_rank_completes_and_shows_its_last_line(no_leftovers):
+    out = io.StringIO()
+    spec = launcher.resolve_devices(cpus=2)
+    job = launcher.Job(spec, ddp_notebook.payload.dumps(ddp_notebook.payload.CallTask(_flood, (), {}, False,
+                                                                                     ddp_notebook.payload.Sources())),
+                       relay=OutputRelay(out, io.StringIO()))
+    assert job.start().result() == ["done", "done"]
+    shown = out.getvalue()
+    assert "[rank 0] flood line 99999" in shown and "[rank 1] flood line 99999" in shown
+    assert "lines elided" in shown
+    assert len(shown) < 2_000_000  # 200,000 lines (~5 MB) were paced down

@@ -29,7 +29,7 @@ class OutputRelay:
         self.interval = interval
         self.budget = int(bytes_per_second * interval)
         self._clock = clock
-        self._pending: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._pending: dict[str, list[tuple[int, str]]] = {"stdout": [], "stderr": []}
         self._partial: dict[tuple[int, str], str] = {}
         self._last_flush = clock()
         self.elided = 0
@@ -43,8 +43,7 @@ class OutputRelay:
         if lines[-1]:
             self._partial[(rank, stream)] = lines[-1]
         prefix = f"[rank {rank}] "
-        for line in lines[:-1]:
-            self._pending[stream].append(prefix + line + "\n")
+        self._pending[stream].extend((rank, prefix + line + "\n") for line in lines[:-1])
         self.lines_seen += len(lines) - 1
 
     def maybe_flush(self) -> None:
@@ -54,24 +53,31 @@ class OutputRelay:
     def flush(self, final: bool = False) -> None:
         if final:
             for (rank, stream), rest in sorted(self._partial.items()):
-                self._pending[stream].append(f"[rank {rank}] {rest}\n")
+                self._pending[stream].append((rank, f"[rank {rank}] {rest}\n"))
             self._partial.clear()
         self._last_flush = self._clock()
         for name, lines in self._pending.items():
-            if not lines:
-                continue
-            self._pending[name] = []
-            kept, size = [], 0
-            for line in reversed(lines):
-                size += len(line)
-                if size > self.budget and kept:
-                    break
-                kept.append(line)
-            dropped = len(lines) - len(kept)
-            kept.reverse()
-            if dropped:
-                self.elided += dropped
-                kept.insert(0, f"[ddp_notebook] ... {dropped} lines elided (output rate limit) ...\n")
-            stream = self._streams[name] or (sys.stdout if name == "stdout" else sys.stderr)
-            stream.write("".join(kept))
-            stream.flush()
+            if lines:
+                self._pending[name] = []
+                self._write(name, lines)
+
+    def _write(self, name: str, lines: list[tuple[int, str]]) -> None:
+        # Each rank gets an equal share of the budget and keeps its newest lines.
+        ranks = sorted({rank for rank, _ in lines})
+        share = self.budget // len(ranks)
+        keep, dropped, used = [False] * len(lines), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+        for i in range(len(lines) - 1, -1, -1):
+            rank, line = lines[i]
+            if used[rank] + len(line) <= share or used[rank] == 0:
+                used[rank] += len(line)
+                keep[i] = True
+            else:
+                used[rank] = share + 1  # once over budget, everything older goes
+                dropped[rank] += 1
+        out = [f"[ddp_notebook] ... {dropped[r]} lines of rank {r} elided (output rate limit) ...\n"
+               for r in ranks if dropped[r]]
+        self.elided += sum(dropped.values())
+        out += [line for (_, line), kept in zip(lines, keep) if kept]
+        stream = self._streams[name] or (sys.stdout if name == "stdout" else sys.stderr)
+        stream.write("".join(out))
+        stream.flush()

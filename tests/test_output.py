@@ -32,7 +32,7 @@ def test_relay_prefixes_batches_and_elides_the_oldest_lines():
     relay.flush()
     shown = out.getvalue().splitlines()
     assert shown[-1] == "[rank 1] line 999"
-    assert "lines elided" in shown[1] and relay.elided > 900
+    assert "lines of rank 1 elided" in shown[1] and relay.elided > 900
     assert sum(len(s) + 1 for s in shown[2:]) <= 200 + 20  # within one interval's byte budget
     relay.feed(0, "stdout", b"no newline at the end")
     relay.flush(final=True)
@@ -63,5 +63,5 @@ def test_a_flooding_rank_completes_and_shows_its_last_line(no_leftovers):
     assert job.start().result() == ["done", "done"]
     shown = out.getvalue()
     assert "[rank 0] flood line 99999" in shown and "[rank 1] flood line 99999" in shown
-    assert "lines elided" in shown
+    assert "lines of rank 0 elided" in shown
     assert len(shown) < 2_000_000  # 200,000 lines (~5 MB) were paced down

@@ -12,7 +12,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "rank_context", "load_ipython_extension",
+    "gpu_picker",
+    "distributed_loader", "all_reduce_metrics", "save_checkpoint", "load_checkpoint", "BestCheckpoint",
+    "clean_state_dict", "unwrap_model",
 ]
+
+# Rank-side helpers that import torch: loaded on first use, never by importing the package.
+_DATA_NAMES = ("distributed_loader", "all_reduce_metrics", "DistributedLoader", "ExactDistributedSampler")
+_CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "BestCheckpoint", "LoadedCheckpoint", "ResumeWarning",
+                     "clean_state_dict", "unwrap_model")
 
 
 def __getattr__(name):
@@ -21,6 +29,18 @@ def __getattr__(name):
         from . import launcher
 
         return getattr(launcher, name)
+    if name == "gpu_picker":  # notebook side only: imports ipywidgets
+        from .picker import gpu_picker
+
+        return gpu_picker
+    if name in _DATA_NAMES:
+        from . import data
+
+        return getattr(data, name)
+    if name in _CHECKPOINT_NAMES:
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
 
 

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "gpus":
         from . import gpus
 
-        print(gpus.describe(gpus.discover()))
+        print(gpus.table(*gpus.discover_report()))
         return 0
     return 2
 

@@ -1,16 +1,40 @@
-"""GPU discovery: which GPUs this kernel may use, and how busy they are.
+"""GPU discovery: which GPUs this kernel may use, how busy they are, and who runs on them.
 
 NVML (nvidia-ml-py) answers without touching CUDA, so the kernel stays free to
-launch ranks; torch.cuda is the fallback only when NVML is missing and torch is
-already imported.  Indices are those the kernel sees: an existing
-``CUDA_VISIBLE_DEVICES`` is respected, and ranks get the matching physical ids
-with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so the GPU picked is the GPU used.
+launch ranks; torch.cuda is the fallback only when NVML is missing.  Indices
+are those the kernel sees: an existing ``CUDA_VISIBLE_DEVICES`` (indices or
+GPU UUIDs) is respected and numbered from 0 in its order, and ranks get the
+matching physical ids with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's order), so
+the GPU picked is the GPU used.
+
+No widget or IPython imports here: the terminal (``python -m ddp_notebook
+gpus``) and the launcher use this module too.
 """
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass, field
+
+GiB = 2**30
+WORKER_MODULE = "ddp_notebook.worker"
+BUSY_UTILIZATION = 10  # percent
+BUSY_MEMORY_FRACTION = 0.10
+
+
+@dataclass
+class GPUProcess:
+    """A compute process on a GPU; ``rank`` is set when it is a rank of a ddp_notebook job."""
+
+    pid: int
+    memory_used: int | None = None  # bytes; None when the driver does not say
+    name: str = ""
+    rank: int | None = None
+    kernel_pid: int | None = None  # the notebook kernel that started the rank
+
+    @property
+    def ours(self) -> bool:
+        return self.rank is not None
 
 
 @dataclass
@@ -22,11 +46,51 @@ class GPU:
     utilization: int  # percent, -1 when unknown
     visible_id: str  # what goes into the ranks' CUDA_VISIBLE_DEVICES
     uuid: str = ""
-    processes: list[int] = field(default_factory=list)  # pids
+    processes: list[GPUProcess] = field(default_factory=list)
+    physical_index: int | None = None  # NVML's (PCI bus order) index
 
     @property
     def memory_free(self) -> int:
         return self.memory_total - self.memory_used
+
+    @property
+    def busy(self) -> bool:
+        """Worth leaving alone: a job of ours runs here, or memory or compute is in real use."""
+        if self.our_ranks or self.utilization >= BUSY_UTILIZATION:
+            return True
+        return self.memory_total > 0 and self.memory_used / self.memory_total >= BUSY_MEMORY_FRACTION
+
+    @property
+    def our_ranks(self) -> list[GPUProcess]:
+        """The ranks of ddp_notebook jobs (this or another notebook) running on this GPU."""
+        return [p for p in self.processes if p.ours]
+
+    @property
+    def other_processes(self) -> list[GPUProcess]:
+        return [p for p in self.processes if not p.ours]
+
+    def load_text(self) -> str:
+        """Memory and utilisation in a few words: ``71.2/80 GiB, 97%``."""
+        util = f"{self.utilization}%" if self.utilization >= 0 else "util ?"
+        if self.memory_total <= 0:
+            return util
+        return f"{self.memory_used / GiB:.1f}/{self.memory_total / GiB:.0f} GiB, {util}"
+
+    def jobs_text(self) -> str:
+        """Who runs here: our jobs by kernel, then other processes."""
+        parts = []
+        me = os.getpid()
+        by_kernel: dict[int | None, list[int]] = {}
+        for proc in self.our_ranks:
+            by_kernel.setdefault(proc.kernel_pid, []).append(proc.rank)
+        for kernel, ranks in sorted(by_kernel.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+            who = "this notebook" if kernel == me else (f"notebook pid {kernel}" if kernel else "a notebook")
+            numbers = ", ".join(str(r) if r >= 0 else "?" for r in sorted(ranks))
+            parts.append(f"ddp_notebook job of {who} (rank{'s' if len(ranks) > 1 else ''} {numbers})")
+        others = self.other_processes
+        if others:
+            parts.append(f"{len(others)} other process{'es' if len(others) != 1 else ''}")
+        return "; ".join(parts) if parts else "idle"
 
 
 _nvml_override = None  # tests inject a recorded NVML module here
@@ -40,21 +104,111 @@ def _nvml():
     return pynvml
 
 
-def _visible_filter() -> list[str] | None:
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _visible_entries() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES split into entries; None when it is not set."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return None
-    return [v.strip() for v in value.split(",") if v.strip() and v.strip() != "-1"]
+    return [v.strip() for v in value.split(",")]
 
 
-def discover() -> list[GPU]:
-    """The GPUs this kernel may use, numbered as CUDA numbers them here."""
+def _apply_visible(found: list[GPU], entries: list[str] | None) -> list[GPU]:
+    """The GPUs CUDA shows under ``CUDA_VISIBLE_DEVICES``, renumbered from 0.
+
+    As CUDA does: entries are physical indices or (prefixes of) ``GPU-`` UUIDs,
+    and the list ends at the first entry that names no GPU (so ``-1`` or an
+    empty value hides every GPU).
+    """
+    if entries is None:
+        return found
+    chosen: list[GPU] = []
+    for entry in entries:
+        match = None
+        if entry.isdigit():
+            match = next((g for g in found if g.physical_index == int(entry)), None)
+        elif entry.startswith("GPU-") and len(entry) > 4:
+            matches = [g for g in found if g.uuid.startswith(entry)]
+            match = matches[0] if len(matches) == 1 else None
+        if match is None or match in chosen:
+            break
+        chosen.append(match)
+    for i, gpu in enumerate(chosen):
+        gpu.index = i
+        gpu.visible_id = gpu.uuid or str(gpu.physical_index)
+    return chosen
+
+
+def _rank_of(pid: int) -> tuple[int, int | None] | None:
+    """(rank, kernel pid) when ``pid`` is a rank of a ddp_notebook job (or a process it started), else None.
+
+    Looked up by pid only, with psutil: a rank runs ``python -m ddp_notebook.worker``
+    and carries ``DDP_NOTEBOOK_RANK`` in its environment.
+    """
     try:
-        nvml = _nvml()
-        nvml.nvmlInit()
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return None
+    try:
+        proc = psutil.Process(pid)
+        for _ in range(4):  # the rank itself, or a DataLoader worker under it
+            cmdline = proc.cmdline()
+            if WORKER_MODULE in cmdline and "-m" in cmdline:
+                rank = None
+                try:
+                    rank = proc.environ().get("DDP_NOTEBOOK_RANK")
+                except psutil.Error:
+                    pass  # another user's process: its cmdline still tells us
+                parent = proc.ppid()
+                return (int(rank) if rank and rank.isdigit() else -1, parent if parent > 1 else None)
+            proc = proc.parent()
+            if proc is None:
+                return None
+    except (psutil.Error, OSError, ValueError):
+        return None
+    return None
+
+
+def _process_name(pid: int) -> str:
+    try:
+        import psutil
+
+        return psutil.Process(pid).name()
     except Exception:
-        return _discover_with_torch()
+        return ""  # a pid of another container, or gone
+
+
+def _processes(nvml, handle) -> list[GPUProcess]:
+    found: dict[int, GPUProcess] = {}
+    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        try:
+            entries = getattr(nvml, getter)(handle)
+        except Exception:
+            continue
+        for entry in entries:
+            pid = int(entry.pid)
+            if pid in found:
+                continue
+            used = getattr(entry, "usedGpuMemory", None)
+            proc = GPUProcess(pid, int(used) if isinstance(used, int) and used >= 0 else None)
+            ours = _rank_of(pid)
+            if ours is not None:
+                proc.rank, proc.kernel_pid = ours
+            proc.name = _process_name(pid)
+            found[pid] = proc
+    return list(found.values())
+
+
+def _discover_with_nvml(nvml) -> tuple[list[GPU], str]:
+    nvml.nvmlInit()
     try:
+        try:
+            driver = _text(nvml.nvmlSystemGetDriverVersion())
+        except Exception:
+            driver = "?"
         found = []
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
@@ -64,61 +218,103 @@ def discover() -> list[GPU]:
             except Exception:
                 util = -1
             try:
-                procs = [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
             except Exception:
-                procs = []
-            name = nvml.nvmlDeviceGetName(handle)
-            uuid = nvml.nvmlDeviceGetUUID(handle)
+                uuid = ""
             found.append(GPU(
-                index=i, name=name.decode() if isinstance(name, bytes) else name,
-                memory_used=int(mem.used), memory_total=int(mem.total), utilization=util,
-                visible_id=str(i), uuid=uuid.decode() if isinstance(uuid, bytes) else uuid, processes=procs,
+                index=i, name=_text(nvml.nvmlDeviceGetName(handle)), memory_used=int(mem.used),
+                memory_total=int(mem.total), utilization=util, visible_id=str(i), uuid=uuid,
+                processes=_processes(nvml, handle), physical_index=i,
             ))
     finally:
         try:
             nvml.nvmlShutdown()
         except Exception:
             pass
-    visible = _visible_filter()
-    if visible is None:
-        return found
-    chosen = []
-    for entry in visible:  # an index or a UUID (prefix), in the order given
-        for gpu in found:
-            if entry == str(gpu.index) or (entry.startswith("GPU-") and gpu.uuid.startswith(entry)):
-                chosen.append(gpu)
-                break
-    for i, gpu in enumerate(chosen):
-        gpu.visible_id = gpu.uuid if gpu.uuid else str(gpu.index)
-        gpu.index = i
-    return chosen
+    return found, f"NVML, driver {driver}"
 
 
-def _discover_with_torch() -> list[GPU]:
+def discover_report() -> tuple[list[GPU], str]:
+    """The GPUs this kernel may use, and where the answer came from (or why there is none)."""
+    try:
+        nvml = _nvml()
+    except ImportError:
+        nvml, nvml_error = None, "nvidia-ml-py is not installed"
+    if nvml is not None:
+        try:
+            found, source = _discover_with_nvml(nvml)
+        except Exception as exc:  # no driver, no library, no permission
+            nvml_error = f"NVML: {_text(exc) or type(exc).__name__}"
+        else:
+            entries = _visible_entries()
+            found = _apply_visible(found, entries)
+            if entries is not None:
+                source += f"; CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
+            return found, source
+    return _discover_with_torch(nvml_error)
+
+
+def discover() -> list[GPU]:
+    """The GPUs this kernel may use, numbered as CUDA numbers them here."""
+    return discover_report()[0]
+
+
+def _discover_with_torch(why_not_nvml: str) -> tuple[list[GPU], str]:
     torch = sys.modules.get("torch")
     if torch is None:
         # Without NVML and without torch already loaded: look for the driver
         # before paying for `import torch` in the notebook.
         if not os.path.exists("/dev/nvidiactl") and not os.path.exists("/proc/driver/nvidia"):
-            return []
+            return [], f"no NVIDIA driver ({why_not_nvml})"
         import torch
     if not torch.cuda.is_available():
-        return []
-    visible = _visible_filter()
+        return [], f"torch.cuda sees no GPU ({why_not_nvml})"
+    entries = _visible_entries()
     gpus = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        gpus.append(GPU(i, props.name, 0, int(props.total_memory), -1,
-                        visible[i] if visible and i < len(visible) else str(i)))
-    return gpus
+        uuid = str(getattr(props, "uuid", "") or "")
+        if uuid and not uuid.startswith("GPU-"):
+            uuid = f"GPU-{uuid}"
+        visible = entries[i] if entries and i < len(entries) else (uuid or str(i))
+        gpus.append(GPU(i, props.name, 0, int(props.total_memory), -1, visible, uuid))
+    return gpus, f"torch.cuda, no load readings ({why_not_nvml})"
 
 
 def least_busy(gpus: list[GPU], n: int) -> list[GPU]:
     """The n GPUs with the most free memory, then the lowest utilisation."""
-    return sorted(gpus, key=lambda g: (-g.memory_free, g.utilization, g.index))[:n]
+    return sorted(gpus, key=lambda g: (-g.memory_free, max(g.utilization, 0), g.index))[:n]
 
 
 def describe(gpus: list[GPU]) -> str:
+    """One line for messages: ``0: NVIDIA A100 (71.2/80 GiB, 97%), 1: ...``."""
     if not gpus:
         return "no GPUs"
-    return ", ".join(f"{g.index}: {g.name} ({g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.0f} GiB used)" for g in gpus)
+    return ", ".join(f"{g.index}: {g.name} ({g.load_text()})" for g in gpus)
+
+
+def table(gpus: list[GPU], source: str = "") -> str:
+    """The GPUs as a text table, as ``python -m ddp_notebook gpus`` prints it."""
+    lines = []
+    if source:
+        lines.append(f"GPUs ({source}):" if gpus else f"No GPU found: {source}.")
+    if not gpus:
+        lines.append("%%ddp cells run CPU ranks with the gloo backend (--cpus N; 2 by default).")
+        return "\n".join(lines)
+    rows = [("GPU", "name", "memory used", "util", "free", "processes")]
+    for g in gpus:
+        mem = f"{g.memory_used / GiB:.1f}/{g.memory_total / GiB:.0f} GiB" if g.memory_total else "?"
+        util = f"{g.utilization}%" if g.utilization >= 0 else "?"
+        free = f"{g.memory_free / GiB:.1f} GiB" if g.memory_total else "?"
+        rows.append((str(g.index), g.name, mem, util, free, g.jobs_text()))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    for row in rows:
+        cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]),
+                 row[3].rjust(widths[3]), row[4].rjust(widths[4]), row[5]]
+        lines.append("  ".join(cells).rstrip())
+    busy = [g.index for g in gpus if g.our_ranks]
+    if busy:
+        lines.append(f"GPU {', '.join(map(str, busy))} already run a ddp_notebook job.")
+    order = ", ".join(str(g.index) for g in least_busy(gpus, len(gpus)))
+    lines.append(f"least busy first: {order}  (--gpus N takes the first N)")
+    return "\n".join(lines)

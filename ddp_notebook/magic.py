@@ -5,7 +5,7 @@ import linecache
 import warnings
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import launcher, payload
@@ -51,9 +51,12 @@ class DDPMagics(Magics):
         """
         args = parse_argstring(self.ddp, line)
         returns = _parse_returns(args.returns)
+        if not cell.strip():
+            raise UsageError("the %%ddp cell is empty: write the code the ranks should run below the %%ddp line")
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
         try:
+            launcher.check_options(args.port, args.seed, args.timeout)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             names, shadowed = payload.select_names(cell, shell.user_ns)
             for name in shadowed:
@@ -70,7 +73,24 @@ class DDPMagics(Magics):
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         if returns:
-            shell.user_ns.update(results[0])
+            shell.user_ns.update(results[0].values)
+            if results[0].missing:
+                copied = f"; {', '.join(results[0].values)} copied back" if results[0].values else ""
+                raise UsageError(f"--return: the cell never assigned {', '.join(results[0].missing)}{copied}")
+
+    @line_magic
+    def ddp_gpus(self, line: str):
+        """Show the GPU picker: tick the GPUs (or, without GPUs, the CPU ranks) that
+        ``%%ddp`` cells naming no devices use.  ``%ddp_gpus off`` forgets the choice."""
+        from . import picker
+
+        arg = line.strip()
+        if arg in ("off", "clear"):
+            picker.forget()
+            return None
+        if arg:
+            raise UsageError("%ddp_gpus takes no argument, or 'off' to forget the picker's choice")
+        return picker.gpu_picker()
 
 
 def _this_cell(shell, line: str, cell: str) -> tuple[str, int]:

@@ -7,11 +7,12 @@ process without the key is refused before it can send anything.  Messages are
 """
 from __future__ import annotations
 
+import os
 import queue
 import secrets
+import socket
 import threading
-from multiprocessing.connection import Client, Connection, Listener
-from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
 __all__ = ["ChannelServer", "connect", "Sender"]
 
@@ -21,10 +22,13 @@ class ChannelServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, key: bytes | None = None):
         self.key = key or secrets.token_bytes(32)
-        self._listener = Listener((host, port), family="AF_INET", authkey=self.key, backlog=256)
+        # The HMAC handshake runs per connection in its own thread: a peer that
+        # connects and stays silent must not hold up the ranks behind it.
+        self._listener = Listener((host, port), family="AF_INET", backlog=256)
         self.address = self._listener.address
         self.refused = 0
         self._accepted: queue.Queue[Connection] = queue.Queue()
+        self._handshaking: set[Connection] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="ddp-channel-accept", daemon=True)
         self._thread.start()
@@ -33,14 +37,24 @@ class ChannelServer:
         while not self._closed:
             try:
                 conn = self._listener.accept()
-            except (AuthenticationError, EOFError, ConnectionError):
-                self.refused += 1
-                continue
             except OSError:
                 return  # listener closed
-            if self._closed:
-                conn.close()
-                return
+            self._handshaking.add(conn)
+            threading.Thread(target=self._handshake, args=(conn,), name="ddp-channel-auth", daemon=True).start()
+
+    def _handshake(self, conn: Connection) -> None:
+        try:
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+        except Exception:  # wrong key, garbage, or a peer that hung up
+            self.refused += 1
+            conn.close()
+            return
+        finally:
+            self._handshaking.discard(conn)
+        if self._closed:
+            conn.close()
+        else:
             self._accepted.put(conn)
 
     def new_connections(self) -> list[Connection]:
@@ -60,6 +74,11 @@ class ChannelServer:
             pass
         for conn in self.new_connections():
             conn.close()
+        for conn in list(self._handshaking):
+            try:  # wakes a handshake blocked on a silent peer
+                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def connect(address: tuple[str, int], key: bytes) -> Connection:

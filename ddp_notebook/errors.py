@@ -48,6 +48,9 @@ class RankError(RuntimeError):
         super().__init__(self.render())
 
     def summary(self) -> str:
+        if self.failure.kind == "timeout":
+            stuck = sorted(f.rank for f in self.failures if f.kind == "timeout")
+            return f"a collective timed out on rank(s) {', '.join(map(str, stuck))}: {self.failure.headline()}"
         return f"rank {self.rank} failed: {self.failure.headline()}"
 
     def render(self) -> str:

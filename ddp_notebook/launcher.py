@@ -69,6 +69,15 @@ def _from_default_sources() -> tuple[str, Any] | None:
 
 
 _last_job: "Job | None" = None
+# Called with each job as it starts, before its ranks: where views attach their listeners.
+_job_observers: list[Callable[["Job"], None]] = []
+
+
+def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
+    """Call ``observer(job)`` for every job from now on, as it starts (once per observer)."""
+    if observer not in _job_observers:
+        _job_observers.append(observer)
+    return observer
 
 
 @dataclass
@@ -166,6 +175,17 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
                    backend=backend or "nccl", notes=notes)
 
 
+def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None) -> None:
+    """Refuse malformed job options before anything starts."""
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+        raise LaunchError(f"port must be between 1 and 65535, not {port!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise LaunchError(f"seed must be a non-negative integer, not {seed!r}")
+    for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
 def _bind_port(addr: str, port: int | None) -> socket.socket:
     """A listening socket for rank 0's TCPStore: the port is never free for anyone else to take."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -204,6 +224,8 @@ class Job:
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
         self.grace = grace
         self.listeners: list[Listener] = []
+        self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
+        self.callbacks: list[Any] = []  # each reduced metric record is sent to these (see callbacks.py)
         self.started_at: float | None = None
         self.ended_at: float | None = None
         self.pids: dict[int, int] = {}
@@ -231,12 +253,20 @@ class Job:
         for listener in list(self.listeners):
             listener(self, kind, rank, body)
 
+    def show(self) -> None:
+        """Draw this job's metrics dashboard again from its history (widgets in a notebook, text elsewhere)."""
+        from . import dashboard  # notebook side, imported only when asked for
+
+        dashboard.show(self)
+
     # -- start -----------------------------------------------------------
     def start(self) -> "Job":
         global _last_job
         _last_job = self
         spec = self.spec
         self.started_at = time.time()
+        for observe in list(_job_observers):
+            observe(self)
         self.workdir = tempfile.mkdtemp(prefix="ddp_notebook-")  # mode 0700
         store_sock = None
         try:
@@ -382,7 +412,7 @@ class Job:
             self._drain_rank(rank)
             if rank not in self._results and rank not in self._failures and self._outcome is None and not self._finishing:
                 how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-                if code == -signal.SIGABRT:
+                if code in (-signal.SIGABRT, 134):
                     how += " (abort or crash)"
                 elif code == -signal.SIGSEGV:
                     how += " (segmentation fault)"
@@ -409,8 +439,10 @@ class Job:
         n = spec.world_size
         if self._failures:
             answered = set(self._results) | set(self._failures) | set(self._exited)
-            first = min(self._failures.values(), key=lambda f: f.time)
-            wait = 0.3 if any(f.kind in ("user", "startup") for f in self._failures.values()) else self.grace
+            # A real error needs no wait; a crash barely any; a lost peer may be
+            # the echo of an error whose report is still on its way.
+            kinds = {f.kind for f in self._failures.values()}
+            wait = 0.3 if kinds & {"user", "startup"} else 0.5 if "exit" in kinds else self.grace
             if len(answered) == n or time.monotonic() - self._first_failure_at >= wait:
                 self._fail()
             return
@@ -432,10 +464,13 @@ class Job:
         timed_out = [f.rank for f in failures if f.kind == "timeout"]
         if cause.kind == "timeout":
             finished = sorted(self._results)
-            note = f"ranks {', '.join(map(str, timed_out))} were stuck in a collective until --timeout " \
+            note = f"ranks {', '.join(map(str, timed_out))} were stuck in a collective until the timeout " \
                    f"({self.spec.timeout} s)"
             if finished:
-                note += f"; rank(s) {', '.join(map(str, finished))} finished without joining it"
+                note += f"; rank(s) {', '.join(map(str, finished))} finished the cell without joining it"
+            elif len(timed_out) < self.spec.world_size:
+                stuck_elsewhere = sorted(set(range(self.spec.world_size)) - set(timed_out))
+                note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
         others = [f.rank for f in failures if f.rank != cause.rank]
         if others and cause.kind != "timeout":
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
@@ -559,12 +594,16 @@ def last_job() -> Job | None:
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
            port: int | None = None, seed: int | None = None, backend: str | None = None,
-           timeout: float | None = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values."""
+           timeout: float | None = None, callbacks: list | tuple = ()) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
+
+    ``callbacks`` get each metric record the ranks ``report()``, reduced over all ranks, in this process.
+    """
+    check_options(port, seed, timeout)
     spec = resolve_devices(gpus, cpus, backend)
     spec.port, spec.seed, spec.timeout = port, seed, timeout
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, _sources_for(fn))
-    return run_job(spec, task)
+    return run_job(spec, task, callbacks=callbacks)
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
@@ -615,8 +654,9 @@ def _checked_job(spec: JobSpec, task: Any) -> Job:
     return Job(spec, payload.dumps(task))
 
 
-def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = ()) -> list[Any]:
+def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = (), callbacks: list | tuple = ()) -> list[Any]:
     job = _checked_job(spec, task)
+    job.callbacks = list(callbacks)
     for listener in listeners:
         job.add_listener(listener)
     for note in spec.notes:

@@ -8,7 +8,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import launcher, payload
+from . import dashboard, launcher, payload
 from .errors import LaunchError, RankError
 
 
@@ -39,6 +39,9 @@ class DDPMagics(Magics):
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
+    @argument("--callback", dest="callbacks", action="append", default=[], metavar="NAME",
+              help="a callable in the notebook (or wandb) that gets each reported record, reduced over ranks")
+    @argument("--tensorboard", default=None, metavar="DIR", help="write the reported metrics to TensorBoard in DIR")
     @cell_magic
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of a DDP job.
@@ -69,7 +72,7 @@ class DDPMagics(Magics):
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
             sources.labels[filename] = f"Cell In[{number}]"
             task = payload.CellTask(cell, filename, 1, names, returns, sources)
-            results = launcher.run_job(spec, task)
+            results = launcher.run_job(spec, task, callbacks=_metric_callbacks(shell, args))
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         if returns:
@@ -119,7 +122,28 @@ def _show_rank_error(shell, etype, value, tb, tb_offset=None):
     return None
 
 
+def _metric_callbacks(shell, args) -> list:
+    """What ``--callback NAME`` and ``--tensorboard DIR`` ask for; the notebook process runs them."""
+    from . import callbacks
+
+    found = []
+    for name in args.callbacks:
+        if name not in shell.user_ns:
+            if name == "wandb":
+                found.append(callbacks.WandB())
+                continue
+            raise UsageError(f"--callback {name}: no such name in the notebook")
+        try:
+            found.append(callbacks.resolve(shell.user_ns[name]))
+        except TypeError as exc:
+            raise UsageError(f"--callback {name}: {exc}") from None
+    if args.tensorboard:
+        found.append(callbacks.TensorBoard(args.tensorboard))
+    return found
+
+
 def register(shell) -> None:
     shell.register_magics(DDPMagics)
+    dashboard.install()
     if not shell.custom_exceptions:
         shell.set_custom_exc((RankError,), _show_rank_error)

@@ -63,12 +63,18 @@ class CellTask:
         ns.update(self.names)
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
         exec(compiled, ns)
-        missing = [n for n in self.returns if n not in ns]
-        if missing:
-            raise NameError(f"--return names {', '.join(missing)} that the cell did not assign")
         if ctx.rank != 0:
             return None
-        return {n: to_cpu(ns[n]) for n in self.returns}
+        return CellResult({n: to_cpu(ns[n]) for n in self.returns if n in ns},
+                          [n for n in self.returns if n not in ns])
+
+
+@dataclass
+class CellResult:
+    """What rank 0 sends back for ``--return``: the values, and the names the cell never assigned."""
+
+    values: dict[str, Any]
+    missing: list[str]
 
 
 @dataclass

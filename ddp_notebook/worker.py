@@ -8,6 +8,7 @@ hold a GPU.  Rank side: no IPython, ipywidgets or matplotlib here.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import random
@@ -124,6 +125,7 @@ def _report_failure(sender, body: dict) -> None:
 
 
 def main() -> None:
+    faulthandler.enable()  # a crashing rank shows where it crashed
     boot = json.loads(sys.stdin.read())
     sys.stdin.close()
     sys.path[:] = boot["sys_path"]

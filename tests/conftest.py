@@ -8,6 +8,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Ranks inherit the environment: this tag tells our ranks from those of other runs on the machine.
 TEST_TAG = os.environ.setdefault("DDP_NOTEBOOK_TEST_TAG", __import__("uuid").uuid4().hex)
+# A private temp dir for this run (kernels and ranks inherit it), so leftovers are ours to count.
+if not os.environ.get("DDP_NOTEBOOK_TEST_TMPDIR"):
+    import tempfile
+
+    os.environ["DDP_NOTEBOOK_TEST_TMPDIR"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddp-tests-")
+    tempfile.tempdir = None
 
 
 def rank_processes():
@@ -46,3 +52,12 @@ def no_leftovers():
     zombies = [c for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
     assert job_dirs() - before_dirs == set()
+
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    private = os.environ.get("DDP_NOTEBOOK_TEST_TMPDIR", "")
+    if os.path.basename(private).startswith("ddp-tests-"):
+        shutil.rmtree(private, ignore_errors=True)

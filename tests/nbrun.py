@@ -1,7 +1,11 @@
 """Run notebook cells in a real Jupyter kernel (nbclient) and read their outputs."""
 from __future__ import annotations
 
+import re
+import time
+
 import nbformat
+import psutil
 from nbclient import NotebookClient
 
 
@@ -32,3 +36,26 @@ def error(cell):
         if out.output_type == "error":
             return out
     return None
+
+
+def run_until_pids(kc, code, n=2, timeout=60):
+    """Execute code in a kernel client until the ranks have printed `PID <pid>`; (msg_id, pids)."""
+    msg_id = kc.execute(code)
+    pids, deadline = set(), time.time() + timeout
+    while len(pids) < n and time.time() < deadline:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            pids.update(int(p) for p in re.findall(r"PID (\d+)", msg["content"]["text"]))
+    assert len(pids) == n
+    return msg_id, pids
+
+
+def gone(pids, within):
+    """True once none of the pids is alive (zombies count as gone: they hold nothing)."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False

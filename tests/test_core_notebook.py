@@ -9,7 +9,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from conftest import rank_processes
-from nbrun import error, run_cells, text
+from nbrun import error, gone, run_cells, run_until_pids, text
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,8 +57,8 @@ dist.all_reduce(torch.ones(1))''',
         "%%ddp --cpus two\npass",
         "%%ddp --gpus 99\npass",
         "%%ddp --cpus 2 --output 0\nprint('only from', rank)",
-        "%%ddp --cpus 2 --return missing\nx = 1",
-        "print('kernel still fine')",
+        "%%ddp --cpus 2 --return missing,x\nx = 1",
+        "print('kernel still fine', x)",
     ])
     cells = nb.cells
     out = text(cells[2])
@@ -85,8 +85,8 @@ dist.all_reduce(torch.ones(1))''',
     for refused in cells[5], cells[7], cells[8], cells[9], cells[10]:
         assert "[rank" not in text(refused)
     assert text(cells[11]) == "[rank 0] only from 0\n"
-    assert "NameError: --return names missing that the cell did not assign" in text(cells[12])
-    assert text(cells[13]) == "kernel still fine\n"
+    assert "UsageError: --return: the cell never assigned missing; x copied back" in text(cells[12])
+    assert text(cells[13]) == "kernel still fine 1\n"  # the other returned name still arrived
 
 
 LONG_CELL = '''%%ddp --cpus 2
@@ -98,40 +98,21 @@ for step in range(100000):
     time.sleep(0.01)'''
 
 
-def _run_until_pids(kc, code, n=2, timeout=60):
-    msg_id = kc.execute(code)
-    pids, deadline = set(), time.time() + timeout
-    while len(pids) < n and time.time() < deadline:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            pids.update(int(p) for p in re.findall(r"PID (\d+)", msg["content"]["text"]))
-    assert len(pids) == n
-    return msg_id, pids
-
-
-def _gone(pids, within):
-    deadline = time.time() + within
-    while time.time() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_interrupt_stops_every_rank_and_keeps_the_kernel(no_leftovers):
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
         for _ in range(2):
-            msg_id, pids = _run_until_pids(kc, LONG_CELL)
+            msg_id, pids = run_until_pids(kc, LONG_CELL)
             interrupted = time.time()
             km.interrupt_kernel()
             reply = kc.get_shell_msg(timeout=30)
             assert reply["parent_header"]["msg_id"] == msg_id
             assert reply["content"]["status"] == "error"
             assert reply["content"]["ename"] == "KeyboardInterrupt"
-            assert _gone(pids, 5), "ranks survived the interrupt"
+            assert gone(pids, 5), "ranks survived the interrupt"
+            kernel = psutil.Process(km.provisioner.process.pid)
+            assert [c for c in kernel.children() if c.status() == psutil.STATUS_ZOMBIE] == []
             assert time.time() - interrupted < 10
         reply = kc.execute_interactive("print(6 * 7)", timeout=30)
         assert reply["content"]["status"] == "ok"
@@ -144,9 +125,9 @@ def test_ranks_exit_when_the_kernel_is_killed(no_leftovers):
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
-        _, pids = _run_until_pids(kc, LONG_CELL)
+        _, pids = run_until_pids(kc, LONG_CELL)
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
-        assert _gone(pids, 10), "ranks outlived the kernel"
+        assert gone(pids, 10), "ranks outlived the kernel"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -28,9 +28,10 @@ _BAR = ("<div style='display:inline-block;width:120px;height:10px;background:#e0
         "border-radius:3px'></div></div>")
 
 
-def _bar(fraction: float) -> str:
+def _bar(fraction: float, load: float) -> str:
+    """A memory bar coloured by load: green, amber from 50 %, red from 85 %."""
     fraction = min(max(fraction, 0.0), 1.0)
-    color = "#2e7d32" if fraction < 0.5 else ("#f9a825" if fraction < 0.85 else "#c62828")
+    color = "#2e7d32" if load < 0.5 else ("#f9a825" if load < 0.85 else "#c62828")
     return _BAR.format(pct=fraction * 100, color=color)
 
 
@@ -89,6 +90,7 @@ class GPUPicker(widgets.VBox):
     @staticmethod
     def _row_html(gpu: gpu_discovery.GPU) -> str:
         fraction = gpu.memory_used / gpu.memory_total if gpu.memory_total else 0.0
+        load = max(fraction, gpu.utilization / 100)  # the bar is memory; its colour is the worse of both
         jobs = html.escape(gpu.jobs_text())
         if gpu.our_ranks:
             jobs = f"<span style='color:#c62828;font-weight:bold'>{jobs}</span>"
@@ -97,7 +99,7 @@ class GPUPicker(widgets.VBox):
         else:
             jobs = f"<span style='color:#2e7d32'>{jobs}</span>"
         return (f"<span style='display:inline-block;width:190px'>{html.escape(gpu.name)}</span>"
-                f"{_bar(fraction)}<span style='display:inline-block;width:150px'>"
+                f"{_bar(fraction, load)}<span style='display:inline-block;width:150px'>"
                 f"{html.escape(gpu.load_text())}</span>{jobs}")
 
     # -- the choice ------------------------------------------------------

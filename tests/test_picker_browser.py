@@ -142,10 +142,12 @@ def test_picker_renders_and_clicks_reach_the_kernel(tmp_path):
     _require_browser()
     from playwright.sync_api import sync_playwright
 
-    _write_notebook(str(tmp_path / "picker.ipynb"))
+    root = tmp_path / "lab"
+    root.mkdir()
+    _write_notebook(str(root / "picker.ipynb"))
     artifacts = os.path.join(ROOT, "artifacts")
     os.makedirs(artifacts, exist_ok=True)
-    lab = _Lab(str(tmp_path))
+    lab = _Lab(str(root))
     try:
         with sync_playwright() as pw:
             context = pw.chromium.launch_persistent_context(
@@ -182,7 +184,7 @@ def test_picker_renders_and_clicks_reach_the_kernel(tmp_path):
 
                 # Run the last cell again: the launcher in the kernel now resolves to the clicked GPUs.
                 last_cell.locator(".jp-InputArea-editor").click()
-                page.keyboard.press("Shift+Enter")
+                page.keyboard.press("Control+Enter")
                 _wait_for_text(last_cell.locator(".jp-OutputArea-output"), r"DEFAULT 4 0,1,3,7 nccl")
                 _wait_for_text(page.locator("#jp-main-statusbar"), r"\| Idle", 30)
                 panel.scroll_into_view_if_needed()
@@ -194,3 +196,14 @@ def test_picker_renders_and_clicks_reach_the_kernel(tmp_path):
         raise
     finally:
         lab.stop()
+
+
+@pytest.mark.timeout(10)
+def test_a_missing_browser_skips_locally_and_fails_under_ci(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="Debian Chromium not found at /nonexistent/chromium"):
+        _require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="cannot run under CI=true: Debian Chromium not found"):
+        _require_browser()

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from .context import current as rank_context
 from .errors import LaunchError, RankError
+from .metrics import Sum, progress, report
 
 __version__ = "0.1.0"
 
 __all__ = [
     "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "rank_context", "load_ipython_extension",
+    "report", "progress", "Sum",
     "gpu_picker",
     "distributed_loader", "all_reduce_metrics", "save_checkpoint", "load_checkpoint", "BestCheckpoint",
     "clean_state_dict", "unwrap_model",
@@ -26,8 +28,9 @@ _CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "BestCheckpoint", "Lo
 def __getattr__(name):
     # Lazy: the launcher pulls in subprocess and socket handling the ranks never need.
     if name in ("launch", "spawn", "last_job", "Job", "JobSpec"):
-        from . import launcher
+        from . import dashboard, launcher
 
+        dashboard.install()  # launch() from Python: live metrics as text lines, or widgets in a kernel
         return getattr(launcher, name)
     if name == "gpu_picker":  # notebook side only: imports ipywidgets
         from .picker import gpu_picker

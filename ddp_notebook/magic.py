@@ -128,14 +128,18 @@ def _metric_callbacks(shell, args) -> list:
 
     found = []
     for name in args.callbacks:
-        if name not in shell.user_ns:
+        head, *attributes = name.split(".")
+        if head not in shell.user_ns:
             if name == "wandb":
                 found.append(callbacks.WandB())
                 continue
             raise UsageError(f"--callback {name}: no such name in the notebook")
+        value = shell.user_ns[head]
         try:
-            found.append(callbacks.resolve(shell.user_ns[name]))
-        except TypeError as exc:
+            for attribute in attributes:  # --callback log.append
+                value = getattr(value, attribute)
+            found.append(callbacks.resolve(value))
+        except (AttributeError, TypeError) as exc:
             raise UsageError(f"--callback {name}: {exc}") from None
     if args.tensorboard:
         found.append(callbacks.TensorBoard(args.tensorboard))

@@ -1,0 +1,106 @@
+"""Forward reduced metric records from the notebook process to loggers.
+
+A callback is any callable taking one dict: the x key (``epoch`` or ``step``)
+and the values just reduced over all ranks.  One with a ``close()`` method is
+closed when the job ends.  Ranks never talk to these services, so they need no
+logins or network access.
+"""
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from typing import Any, Callable, Iterable
+
+from .metrics import META_KEYS
+
+
+def _metric_items(record: dict):
+    return [(name, value) for name, value in record.items() if name not in META_KEYS]
+
+
+def _x_of(record: dict) -> int:
+    x = record["step"] if "step" in record else record.get("epoch", 0)
+    return int(x)
+
+
+class TensorBoard:
+    """Write each record as scalars with ``torch.utils.tensorboard.SummaryWriter(logdir)``."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self._writer = None
+
+    def __call__(self, record: dict) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(self.logdir)
+        step = _x_of(record)
+        for name, value in _metric_items(record):
+            self._writer.add_scalar(name, value, global_step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class WandB:
+    """Log each record to the current Weights & Biases run (``wandb.init()`` is called if there is none)."""
+
+    def __init__(self, **init_kwargs: Any):
+        self.init_kwargs = init_kwargs
+
+    def __call__(self, record: dict) -> None:
+        import wandb
+
+        if wandb.run is None:
+            wandb.init(**self.init_kwargs)
+        wandb.log({k: v for k, v in record.items() if k != "partial"})
+
+    def close(self) -> None:
+        pass  # the run is the user's: they finish it
+
+
+def resolve(callback: Any) -> Callable[[dict], None]:
+    """A callable for ``callback``: a callable as is, ``"wandb"`` or the wandb module for :class:`WandB`."""
+    if (isinstance(callback, str) and callback == "wandb") or \
+            (isinstance(callback, types.ModuleType) and callback.__name__ == "wandb"):
+        return WandB()
+    if not callable(callback):
+        raise TypeError(f"a callback must be callable (one dict argument) or 'wandb', not {callback!r}")
+    return callback
+
+
+class Forwarder:
+    """Sends updates to every callback; one that raises is reported once and dropped, training goes on."""
+
+    def __init__(self, callbacks: Iterable[Any] = ()):
+        self.callbacks = [resolve(c) for c in callbacks]
+
+    def send(self, updates: list[dict]) -> None:
+        for callback in list(self.callbacks):
+            for update in updates:
+                try:
+                    callback(dict(update))
+                except Exception as exc:  # noqa: BLE001 - a logger must not stop the job
+                    self.callbacks.remove(callback)
+                    warnings.warn(f"ddp_notebook: metrics callback {_name(callback)} raised {exc!r}; "
+                                  f"it gets no more records of this job", stacklevel=2)
+                    break
+
+    def close(self) -> None:
+        for callback in self.callbacks:
+            close = getattr(callback, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001
+                    print(f"ddp_notebook: closing metrics callback {_name(callback)} failed: {exc!r}",
+                          file=sys.stderr)
+        self.callbacks = []
+
+
+def _name(callback: Any) -> str:
+    return getattr(callback, "__qualname__", None) or type(callback).__name__

@@ -1,0 +1,528 @@
+"""Live metrics in the notebook: reduce what the ranks report, draw it, forward it.
+
+:func:`install` registers :func:`watch` as a job observer of the launcher; from
+then on every job gets a ``history`` and a :class:`Watcher` listening to its
+events.  Nothing is shown and nothing heavy is imported until a rank reports.
+Then, in a kernel whose front end renders widgets, a dashboard appears under the
+cell: a status line, a progress bar and matplotlib panels rendered to a PNG
+image (one widget value, so redraws neither flicker nor pile up outputs, and
+rank prints stay visible below).  When the job ends the figure is left as a
+static ``image/png`` output.  Elsewhere (terminal, script, demo CLI) each epoch
+prints one compact line.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+from . import launcher
+from .callbacks import Forwarder
+from .history import History, Reducer
+from .metrics import META_KEYS, TOTAL_KEYS, format_record
+
+STATUS_EVERY_S = 0.25
+MIN_REDRAW_S = 0.5  # a few figure redraws a second at most
+DRAW_SHARE = 0.1  # and at most this share of the kernel's time spent drawing
+STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
+MAX_PLOTTED_POINTS = 2000  # per curve; longer curves are thinned for drawing (history keeps all)
+WIDGET_TEXT = "ddp_notebook live metrics (widgets; the final figure follows as an image)"
+
+
+def install() -> None:
+    """Watch every job the launcher starts from now on (idempotent)."""
+    launcher.observe_jobs(watch)
+
+
+def watch(job) -> None:
+    """The job observer: give the job a history and a watcher."""
+    job.history = History()
+    job.add_listener(Watcher(job))
+
+
+def widget_frontend() -> bool:
+    """True inside a Jupyter kernel (its front end renders widgets), False in a terminal or script."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def show(job) -> None:
+    """Draw the job's dashboard again from its history: live if the job still runs, else static."""
+    watcher = next((item for item in job.listeners if isinstance(item, Watcher)), None)
+    history = getattr(job, "history", [])
+    status = watcher.status if watcher is not None else Status.of_finished(job)
+    reducer = watcher.reducer if watcher is not None else None
+    if not widget_frontend():
+        for record in history:
+            print(format_record(record))
+        print(status.line(reducer, time.time()) if history else "ddp_notebook: this job reported no metrics")
+        return
+    if watcher is not None and not job.done:
+        watcher.add_view(WidgetView(watcher))
+        return
+    from IPython.display import display
+
+    if not history:
+        print("ddp_notebook: this job reported no metrics")
+        return
+    curves = Curves()
+    for record in history:
+        curves.add(record)
+    summary = status.line(reducer, time.time())
+    png = Plot().render(curves.snapshot(), title=summary, compress_level=6)
+    display({"image/png": base64.b64encode(png).decode(), "text/plain": summary}, raw=True)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Status:
+    """Ranks alive, elapsed time, where the x axis stands and the ETA."""
+
+    def __init__(self, world_size: int, started_at: float):
+        self.world_size = world_size
+        self.started_at = started_at
+        self.ready: set[int] = set()
+        self.exited: set[int] = set()
+        self.training_since: float | None = None  # every rank has joined the process group
+        self.progress: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in its current epoch
+        self.outcome: str | None = None  # "done", "failed", "stopped"
+        self.ended_at: float | None = None
+
+    @classmethod
+    def of_finished(cls, job) -> "Status":
+        status = cls(job.spec.world_size, job.started_at or time.time())
+        status.ended_at = job.ended_at
+        status.outcome = "done" if job.done and getattr(job, "_outcome", ("ok",))[0] == "ok" else "ended"
+        return status
+
+    def epoch_fraction(self) -> float | None:
+        """The mean share of the current epoch done over the ranks, or None without progress reports."""
+        if not self.progress:
+            return None
+        return sum(min(done / total, 1.0) if total else 0.0 for done, total in self.progress.values()) / \
+            self.world_size
+
+    @staticmethod
+    def primary_key(reducer: Reducer | None) -> str | None:
+        if reducer is None:
+            return None
+        for key in ("epoch", "step"):
+            if reducer.counts.get(key) or key in reducer.totals:
+                return key
+        return None
+
+    def eta(self, reducer: Reducer | None, now: float) -> float | None:
+        key = self.primary_key(reducer)
+        total = reducer.totals.get(key) if key else None
+        if not total:
+            return None
+        units = reducer.counts.get(key, 0)
+        if units >= total:
+            return None
+        if key == "epoch":
+            # The unfinished part of the epoch under way; a rank at the end of its epoch counts 0 until
+            # that epoch's record is complete, so the finished epoch is not counted twice.
+            units += sum(done / total_batches for done, total_batches in self.progress.values()
+                         if total_batches and done < total_batches) / self.world_size
+        if units <= 0:
+            return None
+        since = self.training_since or self.started_at
+        return max(0.0, (now - since) / units * (total - units))
+
+    def line(self, reducer: Reducer | None, now: float) -> str:
+        key = self.primary_key(reducer)
+        where = ""
+        if key:
+            total = reducer.totals.get(key)
+            where = f"{key} {reducer.counts.get(key, 0)}" + (f"/{total}" if total else "")
+        if self.outcome is not None:
+            end = self.ended_at or now
+            parts = [self.outcome, f"{self.world_size} ranks"] + ([where] if where else []) + \
+                [_clock(end - self.started_at)]
+            return " · ".join(parts)
+        if len(self.ready) < self.world_size and not self.exited:
+            parts = [f"starting: {len(self.ready)}/{self.world_size} ranks ready"]
+        else:
+            parts = [f"{self.world_size - len(self.exited)}/{self.world_size} ranks alive"]
+        if where:
+            parts.append(where)
+        parts.append(f"{_clock(now - self.started_at)} elapsed")
+        eta = self.eta(reducer, now)
+        if eta is not None:
+            parts.append(f"ETA {_clock(eta)}")
+        return " · ".join(parts)
+
+
+class Curves:
+    """The points to plot, by (x key, metric name), fed with the reducer's updates."""
+
+    def __init__(self):
+        self.points: dict[tuple[str, str], tuple[list, list]] = {}
+        self.partial: dict[tuple[str, str], tuple[list, list]] = {}
+        self.version = 0
+
+    def add(self, update: dict) -> None:
+        key = "step" if "step" in update else "epoch"
+        if key not in update:
+            return
+        x = update[key]
+        partial = set(update["partial"].split(",")) if update.get("partial") else ()
+        for name, value in update.items():
+            if name in META_KEYS:
+                continue
+            xs, ys = self.points.setdefault((key, name), ([], []))
+            xs.append(x)
+            ys.append(value)
+            if name in partial:
+                pxs, pys = self.partial.setdefault((key, name), ([], []))
+                pxs.append(x)
+                pys.append(value)
+        self.version += 1
+
+    def snapshot(self) -> dict:
+        """Copies, so a drawing thread can use them while new points arrive."""
+        return {
+            "points": {k: (list(xs), list(ys)) for k, (xs, ys) in self.points.items()},
+            "partial": {k: (list(xs), list(ys)) for k, (xs, ys) in self.partial.items()},
+        }
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    if "loss" in low:
+        return "loss"
+    if "acc" in low:
+        return "accuracy"
+    return name
+
+
+def _thin(xs: list, ys: list) -> tuple[list, list]:
+    if len(xs) <= MAX_PLOTTED_POINTS:
+        return xs, ys
+    stride = math.ceil(len(xs) / MAX_PLOTTED_POINTS)
+    return xs[::stride] + xs[-1:], ys[::stride] + ys[-1:]
+
+
+class Plot:
+    """The matplotlib figure (Agg, no pyplot): losses together, accuracies together, others by name."""
+
+    PANEL_W, PANEL_H, DPI = 3.4, 2.4, 90
+
+    def __init__(self):
+        self._figure = None
+        self._layout = None
+        self._lines: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def render(self, snapshot: dict, title: str | None = None, compress_level: int = 1) -> bytes | None:
+        """The figure as PNG bytes, or None when there is nothing to draw."""
+        points = snapshot["points"]
+        if not points:
+            return None
+        panels: dict[tuple[str, str], list[str]] = {}
+        for key, name in points:
+            panels.setdefault((_group(name), key), []).append(name)
+        order = sorted(panels, key=lambda p: {"loss": 0, "accuracy": 1}.get(p[0], 2))
+        layout = (tuple((p, tuple(panels[p])) for p in order), title is not None)
+        if layout != self._layout:
+            self._build(order, panels, title is not None)
+            self._layout = layout
+        if title is not None:
+            self._figure.suptitle(title, fontsize=10)
+        for ident, (line, partial_line) in self._lines.items():
+            xs, ys = _thin(*points[ident])
+            line.set_data(xs, ys)
+            line.set_marker("o" if len(xs) <= 40 else "")
+            pxs, pys = snapshot["partial"].get(ident, ([], []))
+            partial_line.set_data(pxs, pys)
+        for ax in self._figure.axes:
+            ax.relim()
+            ax.autoscale_view()
+        buffer = io.BytesIO()
+        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": compress_level})
+        return buffer.getvalue()
+
+    def _build(self, order: list, panels: dict, titled: bool) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+
+        columns = min(len(order), 3)
+        rows = math.ceil(len(order) / columns)
+        top = 0.55 if titled else 0.3
+        width, height = self.PANEL_W * columns, self.PANEL_H * rows + top - 0.3
+        figure = Figure(figsize=(width, height), dpi=self.DPI)
+        FigureCanvasAgg(figure)
+        figure.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.5 / height,
+                               top=1 - top / height, wspace=0.35, hspace=0.6)
+        self._lines = {}
+        for index, (group, key) in enumerate(order):
+            ax = figure.add_subplot(rows, columns, index + 1)
+            ax.set_title(group, fontsize=10)
+            ax.set_xlabel(key, fontsize=8)
+            ax.tick_params(labelsize=8)
+            ax.grid(True, alpha=0.3)
+            if key == "epoch":
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            for name in panels[(group, key)]:
+                (line,) = ax.plot([], [], label=name, linewidth=1.5, markersize=3)
+                (partial_line,) = ax.plot([], [], linestyle="", marker="o", markersize=6, markerfacecolor="none",
+                                          color=line.get_color())
+                self._lines[(key, name)] = (line, partial_line)
+            if len(panels[(group, key)]) > 1:
+                ax.legend(fontsize=8, loc="lower right" if group == "accuracy" else "upper right")
+        self._figure = figure
+
+
+class TextView:
+    """Outside a notebook: one compact line per epoch (step-wise reports: one every few seconds)."""
+
+    def __init__(self, watcher: "Watcher", out=None):
+        self.watcher = watcher
+        self.out = out
+        self._held: dict | None = None
+        self._last_step_line = float("-inf")
+
+    def updated(self, updates: list[dict]) -> None:
+        now = time.monotonic()
+        for update in updates:
+            if "step" in update and not update.get("partial"):
+                self._held = update
+                if now - self._last_step_line >= STEP_LINE_EVERY_S:
+                    self._print(self._held)
+                    self._last_step_line = now
+            else:
+                self._print(update)
+
+    def finish(self, updates: list[dict]) -> None:
+        if self._held is not None:
+            self._print(self._held)
+        for update in updates:
+            self._print(update)
+
+    def _print(self, update: dict) -> None:
+        if update is self._held:
+            self._held = None
+        watcher = self.watcher
+        now = time.time()
+        status = watcher.status
+        suffix = f"({_clock(now - status.started_at)}"
+        eta = status.eta(watcher.reducer, now)
+        suffix += f", ETA {_clock(eta)})" if eta is not None and status.outcome is None else ")"
+        record = dict(update)
+        key = "step" if "step" in record else "epoch"
+        total = watcher.reducer.totals.get(key)
+        if total is not None:
+            record[TOTAL_KEYS[key]] = total
+        out = self.out or sys.stdout
+        out.write(format_record(record, suffix) + "\n")
+        out.flush()
+
+
+class WidgetView:
+    """The live dashboard under the cell.
+
+    Widgets are updated from a small thread, a few times a second, so the
+    figure and the clock move even while no event arrives; the events only
+    record data.  The figure is rendered to PNG into one ``Image`` widget:
+    replacing one value neither flickers nor adds outputs.
+    """
+
+    def __init__(self, watcher: "Watcher"):
+        import ipywidgets as widgets
+        from IPython.display import display
+
+        self.watcher = watcher
+        self.status = widgets.HTML()
+        self.bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="320px"))
+        self.bar_label = widgets.Label()
+        self.bar_row = widgets.HBox([self.bar, self.bar_label], layout=widgets.Layout(display="none"))
+        self.image = widgets.Image(format="png", layout=widgets.Layout(display="none", max_width="100%"))
+        self.box = widgets.VBox([self.status, self.bar_row, self.image])
+        self.box.add_class("ddp-notebook-dashboard")
+        self.plot = Plot()
+        self._created_on = threading.get_ident()
+        self._drawn_version = -1
+        self._next_draw = 0.0
+        self._broken = False
+        self._stop = threading.Event()
+        bundle = self.box._repr_mimebundle_()
+        bundle["text/plain"] = WIDGET_TEXT
+        display(bundle, raw=True)
+        self.refresh()
+        self._thread = threading.Thread(target=self._tick, name="ddp-dashboard", daemon=True)
+        self._thread.start()
+
+    def updated(self, updates: list[dict]) -> None:
+        """New data: the ticking thread draws it."""
+
+    def _tick(self) -> None:
+        while not self._stop.wait(STATUS_EVERY_S):
+            try:
+                self.refresh()
+            except Exception as exc:  # noqa: BLE001 - a drawing failure must not touch the job
+                if not self._broken:
+                    self._broken = True
+                    warnings.warn(f"ddp_notebook: the live dashboard stopped updating: {exc!r}", stacklevel=1)
+                return
+
+    def refresh(self, final: bool = False) -> None:
+        watcher = self.watcher
+        now = time.time()
+        with watcher.lock:
+            line = watcher.status.line(watcher.reducer, now)
+            fraction = watcher.status.epoch_fraction()
+            progress = dict(watcher.status.progress)
+            key = Status.primary_key(watcher.reducer)
+            total = watcher.reducer.totals.get(key) if key else None
+            done = watcher.reducer.counts.get(key, 0) if key else 0
+            version = watcher.curves.version
+            snapshot = None
+            if version != self._drawn_version and (final or time.monotonic() >= self._next_draw):
+                snapshot = watcher.curves.snapshot()
+        status_html = f"<code>{html.escape(line)}</code>"
+        if self.status.value != status_html:
+            self.status.value = status_html
+        bar = None
+        if fraction is not None:
+            batches = max(total_batches for _, total_batches in progress.values())
+            bar = (fraction, f"{round(fraction * batches)}/{batches}")
+        elif total:
+            bar = (min(done / total, 1.0), f"{done}/{total} {TOTAL_KEYS[key]}")
+        if bar is not None and not final:
+            self.bar.value, self.bar_label.value = bar
+            self.bar_row.layout.display = None
+        if snapshot is not None and not final:
+            started = time.monotonic()
+            png = self.plot.render(snapshot)
+            spent = time.monotonic() - started
+            self._next_draw = time.monotonic() + max(MIN_REDRAW_S, spent / DRAW_SHARE)
+            self._drawn_version = version
+            if png is not None:
+                self.image.value = png
+                self.image.layout.display = None
+
+    def finish(self, updates: list[dict]) -> None:
+        """Stop ticking; leave the final figure as a static image/png output (or in the image, if another
+        thread than the one that showed the dashboard ends the job: its display would land elsewhere)."""
+        self._stop.set()
+        self._thread.join()
+        self.refresh(final=True)
+        self.bar_row.layout.display = "none"
+        watcher = self.watcher
+        with watcher.lock:
+            snapshot = watcher.curves.snapshot()
+            summary = watcher.status.line(watcher.reducer, time.time())
+        png = self.plot.render(snapshot, title=summary, compress_level=6)
+        if png is None:
+            return
+        if threading.get_ident() != self._created_on:
+            self.image.value = png
+            return
+        from IPython.display import display
+
+        # The PNG lives once, in the output; the widget drops its copy so saved widget state stays small.
+        self.image.layout.display = "none"
+        self.image.value = b""
+        display({"image/png": base64.b64encode(png).decode(), "text/plain": summary}, raw=True)
+
+
+class Watcher:
+    """Listens to one job: reduces its reports into ``job.history``, forwards them, keeps its views."""
+
+    def __init__(self, job):
+        self.job = job
+        self.lock = threading.Lock()  # between the job's events and the dashboard's drawing thread
+        self.reducer = Reducer(job.spec.world_size, job.history)
+        self.status = Status(job.spec.world_size, job.started_at or time.time())
+        self.curves = Curves()
+        self.forwarder = Forwarder(getattr(job, "callbacks", ()))
+        self.views: list = []
+        self._view_chosen = False
+        self._started_on = threading.get_ident()
+        self._warned = False
+
+    def __call__(self, job, kind: str, rank: int, body: dict) -> None:
+        try:
+            self._on_event(kind, rank, body)
+        except Exception as exc:  # noqa: BLE001 - metrics must never break the job
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"ddp_notebook: live metrics failed on a {kind!r} event: {exc!r}", stacklevel=1)
+
+    def add_view(self, view) -> None:
+        self.views.append(view)
+
+    def _on_event(self, kind: str, rank: int, body: dict) -> None:
+        if kind == "metric":
+            with self.lock:
+                updates = self.reducer.add(rank, body)
+                for update in updates:
+                    self.curves.add(update)
+            self.forwarder.send(updates)
+            self._first_report()
+            self._tell_views("updated", updates)
+        elif kind == "progress":
+            with self.lock:
+                self.status.progress[rank] = (int(body["done"]), int(body["total"]))
+            self._first_report()
+        elif kind == "ready":
+            self.status.ready.add(rank)
+            if len(self.status.ready) == self.status.world_size:
+                self.status.training_since = time.time()
+        elif kind == "exited":
+            self.status.exited.add(rank)
+        elif kind == "ended":
+            self._ended(body)
+
+    def _first_report(self) -> None:
+        """Choose the view at the first report, so a job that reports nothing shows nothing."""
+        if self._view_chosen:
+            return
+        self._view_chosen = True
+        if threading.get_ident() != self._started_on:
+            return  # a job waited on in the background: its output would land in another cell; job.show()
+        self.views.append(WidgetView(self) if widget_frontend() else TextView(self))
+
+    def _ended(self, body: dict) -> None:
+        outcome = getattr(self.job, "_outcome", None)
+        with self.lock:
+            updates = self.reducer.finish()
+            for update in updates:
+                self.curves.add(update)
+            self.status.ended_at = self.job.ended_at or time.time()
+            if body.get("ok"):
+                self.status.outcome = "done"
+            elif outcome is not None and isinstance(outcome[1], KeyboardInterrupt):
+                self.status.outcome = "stopped"
+            else:
+                self.status.outcome = "failed"
+        self.forwarder.send(updates)
+        self.forwarder.close()
+        self._tell_views("finish", updates)
+
+    def _tell_views(self, method: str, updates: list[dict]) -> None:
+        for view in list(self.views):
+            try:
+                getattr(view, method)(updates)
+            except Exception as exc:  # noqa: BLE001
+                self.views.remove(view)
+                warnings.warn(f"ddp_notebook: the metrics view failed and was closed: {exc!r}", stacklevel=1)

@@ -1,0 +1,131 @@
+"""Rank side of live metrics: ``report()`` and ``progress()``.
+
+Both only hand a small dict to the channel's sender thread, so the training loop
+pays for a queue put.  The notebook reduces the reports over all ranks
+(``history.py``) and draws them (``dashboard.py``).  Rank side: no IPython,
+ipywidgets or matplotlib here.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import context
+
+X_KEYS = ("epoch", "step")
+TOTAL_KEYS = {"epoch": "epochs", "step": "steps"}
+# Keys that describe where a record sits, not what was measured.
+META_KEYS = frozenset(("epoch", "step", "epochs", "steps", "partial"))
+
+PROGRESS_INTERVAL_S = 0.1  # at most ~10 progress events a second per rank
+
+_last_progress_sent = float("-inf")
+_implicit_step = 0  # the x of reports that give neither epoch nor step
+
+
+class Sum:
+    """Wrap a value to have the notebook add it over ranks instead of averaging it.
+
+    ``report(epoch=e, samples_per_s=Sum(rate))`` plots the global throughput.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Sum({self.value!r})"
+
+
+def _number(name: str, value: Any) -> float | int:
+    if type(value) is float or type(value) is int:
+        return value
+    try:
+        return float(value)  # bools, numpy scalars, one-element tensors
+    except (TypeError, ValueError):
+        raise TypeError(f"report({name}=...) takes a number or a one-element tensor, "
+                        f"not {type(value).__name__}") from None
+
+
+def report(*, epoch: float | None = None, step: float | None = None, epochs: int | None = None,
+           steps: int | None = None, n: float | None = None, **metrics: Any) -> None:
+    """Send metrics to the notebook, where they are reduced over all ranks and drawn live.
+
+    ``epoch`` or ``step`` is the x axis (without either, each call is the next
+    step); ``epochs``/``steps`` is the total, for the ETA; ``n`` (samples behind
+    the numbers) weights the mean over ranks; wrap a value in :class:`Sum` to add
+    it over ranks instead.  Outside a job it prints one line and does nothing else.
+    """
+    global _implicit_step
+    values = {}
+    summed = []
+    for name, value in metrics.items():
+        if type(value) is Sum:
+            summed.append(name)
+            value = value.value
+        values[name] = _number(name, value)
+    if step is not None:
+        key, x, total = "step", _number("step", step), steps
+        _implicit_step = x
+    elif epoch is not None:
+        key, x, total = "epoch", _number("epoch", epoch), epochs
+    else:
+        _implicit_step += 1
+        key, x, total = "step", _implicit_step, steps
+    ctx = context.current()
+    if ctx is None or ctx.sender is None:
+        if ctx is None or ctx.rank == 0:  # under plain torchrun, one line per job is enough
+            record = {key: x, **values}
+            if total is not None:
+                record[TOTAL_KEYS[key]] = total
+            if key == "step" and epoch is not None:
+                record["epoch"] = epoch
+            print(format_record(record))
+        return
+    body: dict[str, Any] = {"key": key, "x": x, "values": values}
+    if total is not None:
+        body["total"] = total
+    if n is not None:
+        body["n"] = _number("n", n)
+    if summed:
+        body["sum"] = summed
+    if key == "step" and epoch is not None:
+        body["epoch"] = epoch
+    ctx.sender.send("metric", body)
+
+
+def progress(done: int, total: int) -> None:
+    """Progress inside an epoch (``done`` of ``total`` batches), for the dashboard's bar.
+
+    Throttled here, in the rank: calls closer together than 0.1 s are dropped,
+    except the last one (``done >= total``).  Does nothing outside a job.
+    """
+    global _last_progress_sent
+    now = time.monotonic()
+    if done < total and now - _last_progress_sent < PROGRESS_INTERVAL_S:
+        return
+    _last_progress_sent = now
+    context.send("progress", {"done": done, "total": total})
+
+
+def format_number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_record(record: dict, suffix: str = "") -> str:
+    """One compact line: ``epoch 3/10  train_loss 0.4123  val_acc 0.931``."""
+    parts = []
+    for key in X_KEYS:
+        if key in record:
+            total = record.get(TOTAL_KEYS[key])
+            parts.append(f"{key} {format_number(record[key])}" + (f"/{total}" if total is not None else ""))
+    for name, value in record.items():
+        if name not in META_KEYS:
+            parts.append(f"{name} {format_number(value)}")
+    if record.get("partial"):
+        parts.append(f"(partial: {record['partial']})")
+    line = "  ".join(parts)
+    return f"{line}  {suffix}" if suffix else line

@@ -1,0 +1,220 @@
+"""report()/progress() on the rank side, and the notebook side (watcher, text view, callbacks, figure)
+driven with events, without processes."""
+import io
+import subprocess
+import sys
+import time
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+from ddp_notebook import context, dashboard, metrics
+from ddp_notebook.callbacks import Forwarder, TensorBoard, WandB, resolve
+from ddp_notebook.launcher import JobSpec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, kind, body=None):
+        self.sent.append((kind, body))
+
+
+@pytest.fixture
+def in_rank():
+    sender = FakeSender()
+    context.set_current(context.RankContext(rank=1, local_rank=1, world_size=2, local_world_size=2, sender=sender))
+    yield sender
+    context.set_current(None)
+
+
+def test_report_outside_a_job_prints_one_line():
+    code = ("from ddp_notebook import report, progress\n"
+            "report(epoch=3, epochs=10, train_loss=0.41234, val_acc=0.9)\n"
+            "progress(1, 10)\n"
+            "import sys; print(sorted(m for m in ('IPython', 'ipywidgets', 'matplotlib', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.stdout.splitlines() == ["epoch 3/10  train_loss 0.4123  val_acc 0.9", "[]"]
+    assert out.stderr == ""
+
+
+def test_report_in_a_rank_sends_one_event(in_rank):
+    metrics.report(epoch=2, epochs=5, n=32, loss=np.float32(0.5), samples=metrics.Sum(64), correct=True)
+    assert in_rank.sent == [("metric", {"key": "epoch", "x": 2, "total": 5, "n": 32, "sum": ["samples"],
+                                        "values": {"loss": 0.5, "samples": 64, "correct": 1.0}})]
+
+
+def test_report_steps_and_implicit_steps(in_rank):
+    metrics.report(step=10, epoch=1, loss=1.0)
+    metrics.report(loss=2.0)
+    bodies = [body for _, body in in_rank.sent]
+    assert (bodies[0]["key"], bodies[0]["x"], bodies[0]["epoch"]) == ("step", 10, 1)
+    assert (bodies[1]["key"], bodies[1]["x"]) == ("step", 11)
+
+
+def test_report_refuses_what_is_not_a_number(in_rank):
+    with pytest.raises(TypeError, match="report\\(name=...\\) takes a number"):
+        metrics.report(epoch=1, name="resnet")
+    assert in_rank.sent == []
+
+
+def test_progress_is_throttled_in_the_rank_but_keeps_the_last(in_rank, monkeypatch):
+    monkeypatch.setattr(metrics, "_last_progress_sent", float("-inf"))
+    started = time.monotonic()
+    for done in range(1, 1001):
+        metrics.progress(done, 1000)
+    elapsed = time.monotonic() - started
+    sent = [body for kind, body in in_rank.sent if kind == "progress"]
+    assert 1 <= len(sent) <= elapsed / metrics.PROGRESS_INTERVAL_S + 2
+    assert sent[0] == {"done": 1, "total": 1000}
+    assert sent[-1] == {"done": 1000, "total": 1000}
+
+
+class FakeJob:
+    """What the watcher reads of a launcher.Job."""
+
+    def __init__(self, world_size, callbacks=()):
+        self.spec = JobSpec(world_size=world_size)
+        self.started_at = time.time()
+        self.ended_at = None
+        self.listeners = []
+        self.history = []
+        self.callbacks = list(callbacks)
+        self.done = False
+        self._outcome = None
+
+    def add_listener(self, listener):
+        self.listeners.append(listener)
+
+    def emit(self, kind, rank, body):
+        for listener in self.listeners:
+            listener(self, kind, rank, body)
+
+    def end(self, ok=True):
+        self._outcome = ("ok", []) if ok else ("error", RuntimeError("x"))
+        self.done, self.ended_at = True, time.time()
+        self.emit("ended", -1, {"ok": ok})
+
+
+def report_body(epoch, **values):
+    return {"key": "epoch", "x": epoch, "total": 3, "values": values}
+
+
+def test_text_view_prints_one_line_per_epoch_and_forwards(capsys):
+    got = []
+    job = FakeJob(2, callbacks=[got.append])
+    dashboard.watch(job)
+    for rank in (0, 1):
+        job.emit("ready", rank, {})
+    for epoch in (1, 2, 3):
+        for rank in (0, 1):
+            job.emit("progress", rank, {"done": 4, "total": 4})
+            job.emit("metric", rank, report_body(epoch, loss=rank + 1.0))
+    job.end()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  (")[0] for line in lines] == [f"epoch {e}/3  loss 1.5" for e in (1, 2, 3)]
+    assert "ETA" in lines[0] and "ETA" not in lines[-1]
+    assert got == [{"epoch": e, "loss": 1.5} for e in (1, 2, 3)]
+    assert job.history == [{"epoch": e, "epochs": 3, "loss": 1.5} for e in (1, 2, 3)]
+    watcher = job.listeners[0]
+    assert watcher.status.line(watcher.reducer, time.time()).startswith("done · 2 ranks · epoch 3/3 · ")
+
+
+def test_a_job_that_reports_nothing_shows_nothing(capsys):
+    job = FakeJob(2)
+    dashboard.watch(job)
+    for rank in (0, 1):
+        job.emit("ready", rank, {})
+        job.emit("exited", rank, {"code": 0})
+    job.end()
+    assert capsys.readouterr().out == ""
+    assert job.listeners[0].views == []
+
+
+def test_failing_callback_is_dropped_with_one_warning_and_training_goes_on(capsys):
+    calls = []
+
+    def broken(record):
+        calls.append(record)
+        raise ValueError("no network")
+
+    job = FakeJob(1, callbacks=[broken])
+    dashboard.watch(job)
+    with pytest.warns(UserWarning, match="no network"):
+        job.emit("metric", 0, report_body(1, loss=1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job.emit("metric", 0, report_body(2, loss=1.0))
+    job.end()
+    assert len(calls) == 1
+    assert len(job.history) == 2
+
+
+def test_tensorboard_callback_writes_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    forward = Forwarder([TensorBoard(str(tmp_path))])
+    forward.send([{"epoch": 1, "loss": 1.5, "partial": "loss"}, {"epoch": 2, "loss": 1.25, "acc": 0.5}])
+    forward.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("loss")] == [(1, 1.5), (2, 1.25)]
+    assert [(s.step, s.value) for s in events.Scalars("acc")] == [(2, 0.5)]
+
+
+def test_wandb_callback_logs_to_the_current_run(monkeypatch):
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.run = None
+    fake.init = lambda **kwargs: setattr(fake, "run", object())
+    fake.log = logged.append
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    callback = resolve(fake)
+    assert isinstance(callback, WandB) and isinstance(resolve("wandb"), WandB)
+    callback({"epoch": 1, "loss": 1.5, "partial": "loss"})
+    assert fake.run is not None
+    assert logged == [{"epoch": 1, "loss": 1.5}]
+    with pytest.raises(TypeError):
+        resolve(42)
+
+
+def test_figure_renders_panels_and_thins_long_curves():
+    curves = dashboard.Curves()
+    for step in range(1, 5001):
+        curves.add({"step": step, "train_loss": 1 / step, "val_loss": 2 / step, "acc": 0.5, "lr": 0.1})
+    plot = dashboard.Plot()
+    png = plot.render(curves.snapshot(), title="done")
+    assert png.startswith(b"\x89PNG")
+    titles = [ax.get_title() for ax in plot._figure.axes]
+    assert titles == ["loss", "accuracy", "lr"]
+    line, _ = plot._lines[("step", "train_loss")]
+    assert len(line.get_xdata()) <= dashboard.MAX_PLOTTED_POINTS + 1
+    assert line.get_xdata()[-1] == 5000
+    assert dashboard.Plot().render(dashboard.Curves().snapshot()) is None
+
+
+def test_status_line_and_eta():
+    status = dashboard.Status(world_size=2, started_at=100.0)
+    assert status.line(None, 101.0) == "starting: 0/2 ranks ready · 0:01 elapsed"
+    from ddp_notebook.history import Reducer
+
+    reducer = Reducer(2)
+    for rank in (0, 1):
+        status.ready.add(rank)
+        reducer.add(rank, {"key": "epoch", "x": 1, "total": 4, "values": {"loss": 1.0}})
+    status.training_since = 110.0
+    status.progress = {0: (5, 10), 1: (5, 10)}  # half of epoch 2
+    # 1.5 epochs in 15 s: 2.5 epochs to go take 25 s.
+    assert status.line(reducer, 125.0) == "2/2 ranks alive · epoch 1/4 · 0:25 elapsed · ETA 0:25"
+    out = io.StringIO()
+    view = dashboard.TextView(types.SimpleNamespace(status=status, reducer=reducer), out=out)
+    view.updated([{"step": s, "loss": 1.0} for s in range(3)])
+    view.finish([])
+    assert len(out.getvalue().splitlines()) == 2  # step-wise lines are paced; the last one is kept

@@ -59,7 +59,7 @@ def train(x_train, y_train, x_val, y_val, epochs: int = 12, batch_size: int = 32
 def main(cpus: int | None = None, gpus=None, epochs: int = 12) -> int:
     from sklearn.datasets import load_digits
 
-    from .launcher import launch
+    import ddp_notebook
 
     import numpy as np
 
@@ -69,7 +69,7 @@ def main(cpus: int | None = None, gpus=None, epochs: int = 12) -> int:
     y = digits.target[order].astype("int64")
     split = int(len(x) * 0.8)
     started = time.time()
-    accuracies = launch(train, (x[:split], y[:split], x[split:], y[split:], epochs), cpus=cpus, gpus=gpus)
+    accuracies = ddp_notebook.launch(train, (x[:split], y[:split], x[split:], y[split:], epochs), cpus=cpus, gpus=gpus)
     accuracy = accuracies[0]
     print(f"validation accuracy {accuracy:.3f} on {len(accuracies)} ranks in {time.time() - started:.1f} s")
     return 0 if accuracy >= 0.9 else 1

@@ -79,7 +79,7 @@ def _train(workdir, dataset, resume):
     if resume:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            only0 = ddp_notebook.load_checkpoint(os.path.join(workdir, "rank0_only.pt"), Net())
+            only0 = ddp_notebook.load_checkpoint(os.path.join(workdir, "rank0_only.pt"), Net(), restore_rng=True)
         out["rank0_only"] = {"missing": only0.rng_missing_ranks,
                              "warnings": [str(w.message) for w in caught if w.category is checkpoint.ResumeWarning]}
     else:
@@ -220,6 +220,28 @@ def test_values_that_weights_only_loading_rejects_are_refused_before_writing(tmp
     assert not (tmp_path / "bad.pt").exists()
 
 
+def test_loading_weights_leaves_the_random_state_alone_and_resuming_restores_it(tmp_path):
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(21)
+    ddp_notebook.save_checkpoint(tmp_path / "c.pt", model, optimizer, epoch=0)
+    after_save = torch.rand(3)
+
+    target = Net()
+    target_optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    ddp_notebook.load_checkpoint(tmp_path / "c.pt", target)
+    assert torch.equal(torch.rand(3), expected)  # weights only: the random state is untouched
+
+    info = ddp_notebook.load_checkpoint(tmp_path / "c.pt", target, target_optimizer)
+    assert info.rng_state is not None and info.rng_missing_ranks == []
+    assert torch.equal(torch.rand(3), after_save)  # the draws continue where the saved run was
+    with pytest.raises(ValueError, match="saved without loader="):
+        ddp_notebook.load_checkpoint(tmp_path / "c.pt", Net(), loader=ddp_notebook.distributed_loader(range(4)))
+
+
 KILLED_SAVE = textwrap.dedent("""
     import os, sys, torch, ddp_notebook
     path, signal_file = sys.argv[1], sys.argv[2]
@@ -293,4 +315,5 @@ def test_best_checkpoint_keeps_exactly_the_best_files(tmp_path, mode, keep):
             assert info.extra["criteria"] == score_kept
             assert torch.equal(model.weight, torch.full((1, 2), score_kept))
     assert best.best_score == (0.90 if mode == "max" else 0.10)
-    assert best.best_path.endswith("best.pt" if keep == 1 else ("best-epoch7.pt" if mode == "max" else "best-epoch8.pt"))
+    best_epoch = 7 if mode == "max" else 8
+    assert best.best_path == str(tmp_path / ("best.pt" if keep == 1 else f"best-epoch{best_epoch}.pt"))

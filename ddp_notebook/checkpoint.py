@@ -1,0 +1,571 @@
+"""Checkpoints that do not care how the model is wrapped.
+
+``save_checkpoint`` writes the plain module's weights (no ``module.`` or
+``_orig_mod.`` prefixes) from rank 0 only, atomically, and without any
+collective, so calling it under ``if rank == 0:`` cannot hang.  Every rank that
+calls it leaves its own RNG state in a small file beside the checkpoint.
+``load_checkpoint`` loads into a plain, DDP-wrapped or ``torch.compile``d
+model alike (also files saved the naive way, with prefixed keys) using
+``torch.load(weights_only=True)``, and brings back what a resumed run needs.
+``BestCheckpoint`` keeps the best ``keep`` checkpoints by a monitored score.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import random
+import socket
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import context
+from .data import rank_and_world_size
+
+FORMAT = "ddp_notebook.checkpoint/1"
+RNG_FORMAT = "ddp_notebook.rng/1"
+# Test hook: after the temporary file is written and fsynced, write this file and wait before the rename.
+PAUSE_BEFORE_RENAME_ENV = "DDP_NOTEBOOK_TEST_PAUSE_BEFORE_RENAME"
+
+_WRAPPER_CLASSES = ("DistributedDataParallel", "DataParallel")
+_save_counts: dict[str, int] = {}
+_temp_counter = itertools.count()
+
+
+class ResumeWarning(UserWarning):
+    """A checkpoint was loaded, but something a faithful resume needs was missing."""
+
+
+# -- state dict keys ------------------------------------------------------------------------------
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside DDP / DataParallel / ``torch.compile`` wrappers (in any nesting)."""
+    while True:
+        if type(model).__name__ in _WRAPPER_CLASSES and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _strip(key: str, leading: int = 0) -> str:
+    """``key`` without ``_orig_mod`` components and without ``leading`` leading components."""
+    parts = [p for p in key.split(".") if p != "_orig_mod"] if key else []
+    return ".".join(parts[leading:])
+
+
+def _translate(state: Mapping[str, Any], rename) -> "OrderedDict[str, Any]":
+    """Rename the keys of a state dict, and of its ``_metadata`` (module versions) alike."""
+    renamed = OrderedDict((rename(k), v) for k, v in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        # Deeper entries come later and win: DDP's "module" entry becomes the plain model's "".
+        renamed._metadata = OrderedDict((rename(k), v) for k, v in metadata.items())
+    return renamed
+
+
+def _rename(state: Mapping[str, Any], leading: int) -> "OrderedDict[str, Any]":
+    """Drop every ``_orig_mod`` component and ``leading`` leading ``module`` components."""
+    return _translate(state, lambda key: _strip(key, leading))
+
+
+def _leading_module_components(keys: Sequence[str]) -> int:
+    """How many leading ``module.`` components every key shares (DDP wrapping, possibly nested)."""
+    split = [[p for p in k.split(".") if p != "_orig_mod"] for k in keys]
+    count = 0
+    while split and all(len(parts) > count + 1 and parts[count] == "module" for parts in split):
+        count += 1
+    return count
+
+
+def clean_state_dict(state_dict: Mapping[str, Any],
+                     expected_keys: Sequence[str] | None = None) -> "OrderedDict[str, Any]":
+    """A state dict with the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes removed.
+
+    ``_orig_mod`` components go wherever they are; leading ``module.``
+    components go when every key has them.  Given the keys the target model
+    expects, only as many ``module.`` components are removed as make the keys
+    match (a plain model may own a submodule that is really called ``module``).
+    """
+    keys = list(state_dict)
+    most = _leading_module_components(keys)
+    if expected_keys is not None:
+        wanted = set(expected_keys)
+        for leading in range(most + 1):
+            if {_strip(k, leading) for k in keys} == wanted:
+                return _rename(state_dict, leading)
+    return _rename(state_dict, most)
+
+
+def _model_state(model: torch.nn.Module) -> "OrderedDict[str, Any]":
+    return _rename(unwrap_model(model).state_dict(), 0)
+
+
+# -- what weights_only loading accepts ----------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+    """numpy values as Python numbers or tensors, so ``torch.load(weights_only=True)`` takes them."""
+    module = type(value).__module__
+    if module == "numpy" or module.startswith("numpy."):
+        import numpy as np
+
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value.copy())
+        if isinstance(value, np.generic):
+            return value.item()
+    if isinstance(value, dict):
+        converted = {k: _plain(v) for k, v in value.items()}
+        return OrderedDict(converted) if isinstance(value, OrderedDict) else converted
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _loads_weights_only(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _skeleton(value: Any) -> Any:
+    """The value with tensors replaced by None: what is left to check is cheap to pickle."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, dict):
+        return type(value)((k, _skeleton(v)) for k, v in value.items()) if type(value) in (dict, OrderedDict) \
+            else value
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(v) for v in value)
+    return value
+
+
+def _check_weights_only(values: Mapping[str, Any], what: str) -> None:
+    """Refuse, before anything is written, values that ``torch.load(weights_only=True)`` would reject."""
+    def round_trip(obj: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        _loads_weights_only(buffer.getvalue())
+
+    values = {k: _skeleton(v) for k, v in values.items()}
+    try:
+        round_trip(values)
+        return
+    except Exception:  # noqa: BLE001 - find the culprit below
+        pass
+    for key, value in values.items():
+        try:
+            round_trip({key: value})
+        except Exception as exc:  # noqa: BLE001
+            raise TypeError(f"{what} {key!r} ({type(value).__name__}) cannot be loaded back with "
+                            f"torch.load(weights_only=True); store numbers, strings, tensors, lists or dicts "
+                            f"instead. ({type(exc).__name__})") from None
+    raise TypeError(f"{what} cannot be loaded back with torch.load(weights_only=True)")
+
+
+# -- atomic files -----------------------------------------------------------------------------
+
+def _temp_prefix(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{socket.gethostname()}-")
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove temporary files left by processes of this host that died while saving ``path``."""
+    prefix = _temp_prefix(path)
+    directory, base = os.path.split(prefix)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(base):
+            continue
+        pid_text = name[len(base):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+        except PermissionError:
+            pass  # alive, someone else's
+
+
+def _pause_before_rename(temp: str, path: str) -> None:
+    signal_file = os.environ.get(PAUSE_BEFORE_RENAME_ENV)
+    if not signal_file:
+        return
+    note = json.dumps({"pid": os.getpid(), "temp": temp, "path": path, "size": os.path.getsize(temp)})
+    with open(signal_file + ".part", "w") as f:
+        f.write(note)
+    os.replace(signal_file + ".part", signal_file)
+    deadline = time.monotonic() + 120
+    while os.path.exists(signal_file) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the test kills us here, or removes the file to let the rename happen
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_save(obj: Any, path: str, test_hook: bool = False) -> None:
+    """Write to a temporary file, flush, fsync, then rename over ``path``: readers see old or new, never half."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    _remove_stale_temps(path)
+    temp = f"{_temp_prefix(path)}{os.getpid()}-{next(_temp_counter)}"
+    try:
+        with open(temp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if test_hook:
+            _pause_before_rename(temp, path)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.remove(temp)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+# -- RNG state -------------------------------------------------------------------------------
+
+def rng_path(path: str, rank: int) -> str:
+    """Where rank ``rank`` keeps its RNG state for the checkpoint at ``path``."""
+    return f"{path}.rank{rank}.rng"
+
+
+def _job_id() -> str:
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return os.environ["TORCHELASTIC_RUN_ID"]
+    if os.environ.get("MASTER_PORT"):
+        return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ['MASTER_PORT']}"
+    return f"local:{os.getpid()}"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's Python, numpy, torch and CUDA RNG states, in types weights_only loading accepts."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
+                             "numpy": None, "cuda": None}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if state.get("numpy") is not None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+
+
+# -- save / load --------------------------------------------------------------------------------
+
+def _loader_list(loader: Any) -> list:
+    if loader is None:
+        return []
+    return list(loader) if isinstance(loader, (list, tuple)) else [loader]
+
+
+def _loader_epoch(loader: Any) -> int:
+    if hasattr(loader, "next_epoch"):
+        return int(loader.next_epoch)
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None and hasattr(sampler, "epoch"):
+        return int(sampler.epoch) + 1  # a plain DataLoader: set_epoch(e) was called for the epoch just run
+    raise TypeError(f"{type(loader).__name__} has no sampler epoch to save; use ddp_notebook.distributed_loader")
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    epoch: int | None = None, *, loader: Any = None, **extra: Any) -> str:
+    """Save a checkpoint from rank 0, atomically; every calling rank saves its RNG state beside it.
+
+    The model's weights are stored without wrapper prefixes, whatever wraps it
+    (DDP, ``torch.compile``).  ``loader`` (one loader or a list) records the
+    sampler epoch the next iteration will use, so a resumed run keeps the
+    same data order.  ``extra`` values must be numbers, strings, tensors,
+    lists or dicts (numpy numbers are converted).  No collective: it is safe
+    under ``if rank == 0:``.  Returns the path.
+    """
+    path = os.path.abspath(os.fspath(path))
+    epoch = _plain(epoch)
+    rank, world_size = rank_and_world_size()
+    count = _save_counts[path] = _save_counts.get(path, 0) + 1
+    tag = f"{_job_id()}/{epoch}/{count}"
+    loaders = _loader_list(loader)
+    sampler_epoch: Any = [_loader_epoch(ld) for ld in loaders]
+    if not isinstance(loader, (list, tuple)):
+        sampler_epoch = sampler_epoch[0] if sampler_epoch else None
+    if rank == 0:
+        extra = _plain(extra)
+        _check_weights_only(extra, "extra value")
+        optimizer_state = _plain(optimizer.state_dict()) if optimizer is not None else None
+        if optimizer_state is not None:
+            _check_weights_only(optimizer_state, "optimizer state entry")
+        _atomic_save({
+            "format": FORMAT, "model": _model_state(model), "optimizer": optimizer_state,
+            "epoch": epoch, "sampler_epoch": sampler_epoch, "world_size": world_size, "rng_tag": tag,
+            "extra": extra,
+        }, path, test_hook=True)
+    _atomic_save({"format": RNG_FORMAT, "tag": tag, "rank": rank, "state": rng_state()}, rng_path(path, rank))
+    return path
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` found in a checkpoint, for resuming."""
+
+    path: str
+    epoch: int | None = None
+    sampler_epoch: Any = None
+    optimizer_state: dict | None = None
+    rng_state: dict | None = None  # this rank's, None if missing
+    rng_missing_ranks: list[int] = field(default_factory=list)
+    saved_world_size: int | None = None
+    extra: dict = field(default_factory=dict)
+    toolkit_format: bool = True  # False: a bare state dict (or another tool's dict)
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch a resumed loop starts from."""
+        return 0 if self.epoch is None else self.epoch + 1
+
+
+def _rank_device() -> torch.device:
+    ctx = context.current()
+    if ctx is not None and ctx.device is not None:
+        return torch.device(ctx.device)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _find_model_state(obj: Any) -> tuple[Mapping[str, Any], dict]:
+    """The model's state dict in a loaded file: ours, a bare state dict, or a dict that holds one."""
+    if isinstance(obj, Mapping) and obj.get("format") == FORMAT:
+        return obj["model"], obj
+    if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj, {}
+    if isinstance(obj, Mapping):
+        for key in ("model", "state_dict", "model_state_dict", "model_state"):
+            inner = obj.get(key)
+            if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+                return inner, obj
+    raise ValueError("no model state dict found in the checkpoint")
+
+
+def _load_model_state(target: torch.nn.Module, state: Mapping[str, Any], strict: bool) -> None:
+    """Load a state dict of any wrapping into ``target`` (which may hold compiled submodules itself)."""
+    real_keys = {_strip(k): k for k in target.state_dict()}
+    real_paths = {_strip(name): name for name, _ in target.named_modules()}
+    cleaned = clean_state_dict(state, list(real_keys))
+    target.load_state_dict(_translate(cleaned, lambda k: real_keys.get(k, real_paths.get(k, k))), strict=strict)
+
+
+def _load_rng(path: str, world_size: int, tag: str | None, rank: int) -> tuple[dict | None, list[int]]:
+    mine, missing = None, []
+    for r in range(world_size):
+        file = rng_path(path, r)
+        try:
+            saved = torch.load(file, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            missing.append(r)
+            continue
+        if saved.get("tag") != tag:
+            missing.append(r)  # from another save: it does not belong to this checkpoint
+            continue
+        if r == rank:
+            mine = saved["state"]
+    return mine, missing
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None,
+                    restore_rng: bool | None = None, strict: bool = True,
+                    map_location: Any = None) -> LoadedCheckpoint:
+    """Load a checkpoint into a plain, DDP-wrapped or compiled model; the rest for resuming comes back.
+
+    Files saved the naive way (``torch.save(ddp_model.state_dict())``, with
+    ``module.`` or ``_orig_mod.`` prefixes) load too.  Storages are mapped to
+    this rank's device (or ``map_location``), and the file is read with
+    ``weights_only=True``.  With an ``optimizer`` its state is restored; with a
+    ``loader`` (or list) its sampler epoch, so the data order continues.  When
+    resuming (an optimizer or loader given, or ``restore_rng=True``) this
+    rank's RNG state is restored too; ranks whose RNG state is missing are
+    listed in ``rng_missing_ranks`` and named in a :class:`ResumeWarning`.
+    Loading weights alone leaves the random state untouched.  If another rank
+    has just saved the file, load after a barrier.
+    """
+    path = os.path.abspath(os.fspath(path))
+    location = map_location if map_location is not None else _rank_device()
+    obj = torch.load(path, map_location=location, weights_only=True)
+    state, info = _find_model_state(obj)
+    ours = info.get("format") == FORMAT
+    loaded = LoadedCheckpoint(
+        path=path, epoch=info.get("epoch"), sampler_epoch=info.get("sampler_epoch"),
+        optimizer_state=info.get("optimizer") or info.get("optimizer_state_dict"),
+        saved_world_size=info.get("world_size"), extra=dict(info.get("extra") or {}), toolkit_format=ours,
+    )
+    if model is not None:
+        _load_model_state(unwrap_model(model), state, strict)
+    if optimizer is not None:
+        if loaded.optimizer_state is None:
+            raise ValueError(f"{path} holds no optimizer state; save it with save_checkpoint(..., optimizer)")
+        optimizer.load_state_dict(loaded.optimizer_state)
+    loaders = _loader_list(loader)
+    if loaders:
+        epochs = loaded.sampler_epoch if isinstance(loaded.sampler_epoch, list) else [loaded.sampler_epoch]
+        if all(e is None for e in epochs):
+            raise ValueError(f"{path} was saved without loader=, so it holds no sampler epoch to restore")
+        if len(epochs) != len(loaders):
+            raise ValueError(f"{path} holds sampler epochs for {len(epochs)} loader(s), {len(loaders)} given")
+        for ld, ep in zip(loaders, epochs):
+            (ld if hasattr(ld, "set_epoch") else ld.sampler).set_epoch(ep)  # ours, or a plain DataLoader
+    if restore_rng is None:
+        restore_rng = optimizer is not None or bool(loaders)
+    if ours and restore_rng:
+        rank, world_size = rank_and_world_size()
+        loaded.rng_state, loaded.rng_missing_ranks = _load_rng(path, world_size, info.get("rng_tag"), rank)
+        if loaded.rng_state is not None:
+            set_rng_state(loaded.rng_state)
+        if loaded.rng_missing_ranks and rank == 0:
+            ranks = ", ".join(map(str, loaded.rng_missing_ranks))
+            warnings.warn(
+                f"{path}: no RNG state for rank(s) {ranks} (the file {rng_path(path, loaded.rng_missing_ranks[0])} "
+                f"is missing or from another save). Those ranks keep their current random state, so random draws "
+                f"(dropout, augmentation) will differ from the uninterrupted run; the data order does not depend "
+                f"on it.", ResumeWarning, stacklevel=2)
+    return loaded
+
+
+# -- best checkpoints ----------------------------------------------------------------------------
+
+def _score_value(score: Any, monitor: str) -> float:
+    if isinstance(score, Mapping):
+        if monitor not in score:
+            raise KeyError(f"the scores given have no {monitor!r} (monitor); they have {', '.join(map(str, score))}")
+        score = score[monitor]
+    if isinstance(score, torch.Tensor):
+        return float(score.detach().item())
+    return float(score)
+
+
+class BestCheckpoint:
+    """Keep the ``keep`` best checkpoints by a monitored score.
+
+    ``path`` is the file for ``keep=1`` (overwritten atomically by each new
+    best); for more, files are named ``<stem>-epoch<E>`` (or ``-step<N>``)
+    beside it, or ``path`` can be a template with ``{epoch}``, ``{step}`` and
+    ``{score}``.  Call :meth:`update` on every rank with the same score (reduce
+    it first, e.g. with ``all_reduce_metrics``), or on rank 0 only: it needs no
+    collective.  A score that is not strictly better than the worst kept one
+    (or is nan) is not saved.
+    """
+
+    def __init__(self, path: str | os.PathLike, monitor: str = "score", mode: str = "max", keep: int = 1):
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', not {mode!r}")
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.monitor = monitor
+        self.mode = mode
+        self.keep = keep
+        self.step = 0
+        self.kept: list[tuple[float, str]] = []  # best first
+
+    def _better(self, a: float, b: float) -> bool:
+        return a > b if self.mode == "max" else a < b
+
+    def _file_for(self, value: float, epoch: int | None) -> str:
+        if "{" in self.path:
+            return self.path.format(epoch=epoch, step=self.step, score=value)
+        if self.keep == 1:
+            return self.path
+        stem, suffix = os.path.splitext(self.path)
+        return f"{stem}-epoch{epoch}{suffix}" if epoch is not None else f"{stem}-step{self.step}{suffix}"
+
+    @property
+    def best_score(self) -> float | None:
+        return self.kept[0][0] if self.kept else None
+
+    @property
+    def best_path(self) -> str | None:
+        return self.kept[0][1] if self.kept else None
+
+    def update(self, model: torch.nn.Module, score: Any, optimizer: torch.optim.Optimizer | None = None, *,
+               epoch: int | None = None, loader: Any = None, **extra: Any) -> bool:
+        """Save if ``score`` (a number, or a dict holding the monitored name) is among the best; True if saved."""
+        self.step += 1
+        value = _score_value(score, self.monitor)
+        if value != value:  # nan
+            return False
+        if len(self.kept) >= self.keep and not self._better(value, self.kept[-1][0]):
+            return False
+        file = self._file_for(value, epoch)
+        extra = {**extra, self.monitor: value, "mode": self.mode}
+        save_checkpoint(file, model, optimizer, epoch, loader=loader, **extra)
+        self.kept = [(s, p) for s, p in self.kept if p != file]
+        self.kept.append((value, file))
+        self.kept.sort(key=lambda item: item[0], reverse=self.mode == "max")
+        evicted = [p for _, p in self.kept[self.keep:]]
+        self.kept = self.kept[:self.keep]
+        for old in evicted:
+            _remove_checkpoint(old)
+        return True
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Rank 0 removes the checkpoint and every rank's RNG file; other ranks remove their own RNG file."""
+    rank, _ = rank_and_world_size()
+    doomed = [rng_path(path, rank)]
+    if rank == 0:
+        directory, base = os.path.split(path)
+        doomed.append(path)
+        try:
+            doomed += [os.path.join(directory, n) for n in os.listdir(directory)
+                       if n.startswith(base + ".rank") and n.endswith(".rng")]
+        except OSError:
+            pass
+    for file in doomed:
+        try:
+            os.remove(file)
+        except FileNotFoundError:
+            pass

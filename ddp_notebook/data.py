@@ -1,0 +1,194 @@
+"""Data loading and metric reduction that do the right DDP thing by default.
+
+``distributed_loader`` gives each rank its share of a dataset, advances the
+sampler's epoch by itself, and can split evaluation data so every sample is
+seen exactly once.  ``all_reduce_metrics`` combines named numbers from every
+rank in one collective.  Both work unchanged outside a job.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from . import context
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the job's world size; (0, 1) outside a job."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    ctx = context.current()
+    if ctx is not None:
+        return ctx.rank, ctx.world_size
+    return 0, 1
+
+
+class ExactDistributedSampler(DistributedSampler):
+    """Every index exactly once across the ranks, with no padding.
+
+    Rank ``r`` takes positions ``r, r + world_size, ...`` of the (shuffled)
+    order, so ranks differ by at most one sample.  Because the ranks may then
+    run different numbers of batches, evaluate on ``ddp_model.module`` (or
+    inside ``ddp_model.join()``): DDP's own forward is a collective and would
+    wait forever for the rank that has run out.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(rank, self.total_size, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.total_size, generator=generator).tolist()
+        else:
+            order = list(range(self.total_size))
+        return iter(order[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _progress_reporter():
+    """``ddp_notebook.metrics.progress`` when the dashboard is installed, else None."""
+    try:
+        from .metrics import progress
+    except ImportError:
+        return None
+    return progress
+
+
+class DistributedLoader(DataLoader):
+    """A DataLoader whose sampler moves to the next epoch each time it is iterated.
+
+    The first iteration uses epoch 0 (or the epoch given to ``set_epoch``), the
+    next one epoch 1, and so on, so the shuffle changes every epoch without a
+    ``set_epoch`` call to forget.  Calling ``set_epoch(e)`` before iterating
+    still works, as in plain PyTorch.
+    """
+
+    def __init__(self, *args, report_progress: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._next_epoch = 0
+        self.report_progress = report_progress
+
+    @property
+    def next_epoch(self) -> int:
+        """The sampler epoch the next iteration will use (what a checkpoint stores)."""
+        return self._next_epoch
+
+    @property
+    def epoch(self) -> int:
+        """The sampler epoch of the current (or last) iteration."""
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use this sampler epoch."""
+        self._next_epoch = int(epoch)
+        self.sampler.set_epoch(self._next_epoch)
+
+    def __iter__(self):
+        self.sampler.set_epoch(self._next_epoch)
+        self._next_epoch += 1
+        batches = super().__iter__()
+        progress = _progress_reporter() if self.report_progress else None
+        if progress is None:
+            return batches
+        return self._reporting(batches, progress)
+
+    def _reporting(self, batches, progress):
+        total = len(self)
+        done = 0
+        progress(done, total)
+        for batch in batches:
+            yield batch
+            done += 1
+            progress(done, total)
+
+
+def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, exact: bool = False, *,
+                       seed: int = 0, progress: bool = True, **loader_kwargs: Any) -> DistributedLoader:
+    """A DataLoader over this rank's share of ``dataset``.
+
+    Inside a job each rank gets a ``DistributedSampler`` share (``batch_size``
+    is per rank); outside a job the loader covers the whole dataset.  The
+    order is a seeded shuffle (``seed`` + epoch), the same for every rank, that
+    changes each time the loader is iterated.
+
+    ``exact=True`` is for evaluation: every sample is seen exactly once across
+    the ranks even when the length does not divide by the world size (the
+    default sampler repeats samples to pad, which skews metrics).  Ranks may
+    then run one batch more or fewer, so evaluate on ``ddp_model.module`` or
+    under ``ddp_model.join()``.  While iterated, the loader reports its
+    in-epoch progress to the dashboard (``progress=False`` turns that off).
+    Other keyword arguments go to ``DataLoader``.
+    """
+    for taken in ("sampler", "batch_sampler"):
+        if loader_kwargs.get(taken) is not None:
+            raise TypeError(f"distributed_loader makes its own sampler; do not pass {taken}=")
+    rank, world_size = rank_and_world_size()
+    if exact:
+        sampler: DistributedSampler = ExactDistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
+    else:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    return DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, report_progress=progress,
+                             **loader_kwargs)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name!r} must be a single number, not a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().item())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name!r} must be a number, not {type(value).__name__}") from None
+
+
+def _reduce_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_metrics(sums: Mapping[str, Any] | None = None, means: Mapping[str, Any] | None = None,
+                       weight: float = 1.0) -> dict[str, float]:
+    """Combine named numbers across ranks in one collective; every rank gets the result.
+
+    ``sums`` are added over the ranks.  ``means`` are averaged, each rank
+    counting with ``weight`` (e.g. its number of samples), so per-rank means of
+    unequal shares combine into the true overall mean.  Returns one dict of
+    Python floats.  Outside a job, the values come back unchanged.  Every rank
+    must call it, with the same names.
+    """
+    sums = dict(sums or {})
+    means = dict(means or {})
+    clash = sorted(set(sums) & set(means))
+    if clash:
+        raise ValueError(f"a name is both a sum and a mean: {', '.join(clash)}")
+    sum_values = [_as_float(k, v) for k, v in sums.items()]
+    mean_values = [_as_float(k, v) for k, v in means.items()]
+    weight = _as_float("weight", weight)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        ctx = context.current()
+        if ctx is not None and ctx.world_size > 1:
+            raise RuntimeError("all_reduce_metrics needs the process group: call it after init_process_group")
+        return {**dict(zip(sums, sum_values)), **dict(zip(means, mean_values))}
+    # A rank with nothing to count (weight 0) adds nothing, even if its means are nan.
+    weighted = [v * weight if weight else 0.0 for v in mean_values]
+    packed = torch.tensor(sum_values + weighted + [weight], dtype=torch.float64, device=_reduce_device())
+    dist.all_reduce(packed)
+    reduced = packed.tolist()
+    total_weight = reduced[-1]
+    result = dict(zip(sums, reduced[:len(sums)]))
+    for name, weighted in zip(means, reduced[len(sums):-1]):
+        result[name] = weighted / total_weight if total_weight else math.nan
+    return result

@@ -1,34 +1,30 @@
 """Start, watch and stop the ranks of a job.
 
-One mechanism for the magic, ``launch`` and ``spawn``: a :class:`Job` starts
-each rank as ``python -m ddp_notebook.worker`` in its own session, hands it the
-torchrun environment contract, serves it a task over the authenticated channel,
-relays its output, and reports every event to its listeners.  It knows nothing
-of dashboards: views subscribe with :meth:`Job.add_listener`.
+One mechanism for the magic, ``launch``, ``spawn`` and warm pools: a
+:class:`Job` runs one task on a :class:`~ddp_notebook.ranks.RankGroup` (its
+own, started for it, or a pool's), collects the per-rank results, blames the
+rank that failed first, and reports every event to its listeners.  It knows
+nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 """
 from __future__ import annotations
 
 import errno
-import json
+import itertools
 import os
 import pickle
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 from . import gpus as gpu_discovery
 from . import payload
-from .channel import ChannelServer
 from .errors import Failure, LaunchError, RankError, blame
 from .output import OutputRelay
+from .ranks import RankGroup
 
 Listener = Callable[["Job", str, int, dict], None]
 
@@ -215,34 +211,40 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-class Job:
-    """A running (or finished) job; ``result()`` waits for it and returns the per-rank values."""
+_task_ids = itertools.count(1)
 
-    def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0):
+
+class Job:
+    """One task run on a group of ranks; ``result()`` waits for it and returns the per-rank values.
+
+    A job starts its own ranks and ends them afterwards, or runs on the ranks
+    of a warm pool (``group``), possibly on some of them only (``targets``).
+    """
+
+    def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0,
+                 group: RankGroup | None = None, targets: list[int] | None = None,
+                 on_interrupt: Callable[["Job"], None] | None = None):
         self.spec = spec
         self.task = task
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
         self.grace = grace
+        self.group = group
+        self.targets = list(range(spec.world_size)) if targets is None else list(targets)
+        self.on_interrupt = on_interrupt
+        self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
         self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
         self.callbacks: list[Any] = []  # each reduced metric record is sent to these (see callbacks.py)
         self.started_at: float | None = None
         self.ended_at: float | None = None
-        self.pids: dict[int, int] = {}
-        self.port: int | None = None
-        self.workdir: str | None = None
-        self._procs: list[subprocess.Popen] = []
-        self._pipes: dict[int, tuple[int, str]] = {}  # fd -> (rank, stream)
-        self._conns: dict[Any, int] = {}  # connection -> rank
+        self._owns_group = group is None
+        self._task_path: str | None = None
         self._results: dict[int, Any] = {}
         self._failures: dict[int, Failure] = {}
-        self._ready: set[int] = set()
-        self._exited: dict[int, int] = {}
         self._first_failure_at: float | None = None
         self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
-        self._channel: ChannelServer | None = None
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._finishing = False
 
     # -- listeners -------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -259,6 +261,22 @@ class Job:
 
         dashboard.show(self)
 
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.group.pids if self.group is not None else {}
+
+    @property
+    def port(self) -> int | None:
+        return self.group.port if self.group is not None else None
+
+    @property
+    def workdir(self) -> str | None:
+        return self.group.workdir if self.group is not None else None
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
     # -- start -----------------------------------------------------------
     def start(self) -> "Job":
         global _last_job
@@ -267,132 +285,62 @@ class Job:
         self.started_at = time.time()
         for observe in list(_job_observers):
             observe(self)
-        self.workdir = tempfile.mkdtemp(prefix="ddp_notebook-")  # mode 0700
-        store_sock = None
+        if self._owns_group:
+            self.group = RankGroup(spec, self.relay)
+            store_sock = None
+            try:
+                if spec.init_group:
+                    store_sock = _bind_port(spec.master_addr, spec.port)
+                    self.group.port = store_sock.getsockname()[1]
+                else:
+                    self.group.port = spec.port or _free_port(spec.master_addr)
+                self.group.start(store_sock)
+            finally:
+                if store_sock is not None:
+                    store_sock.close()  # rank 0 holds its own copy
+        self.group.handler = self._on_message
+        self.group.on_exit = self._on_exit
         try:
-            path = payload.write(self.task, self.workdir)
-            self._channel = ChannelServer(spec.master_addr)
-            if spec.init_group:
-                store_sock = _bind_port(spec.master_addr, spec.port)
-                self.port = store_sock.getsockname()[1]
-            else:
-                self.port = spec.port or _free_port(spec.master_addr)
-            self._task_message = ("run", {"task": 1, "path": path, "seed": spec.seed})
-            for rank in range(spec.world_size):
-                self._start_rank(rank, store_sock)
+            self._task_path = payload.write(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
         except BaseException:
-            self._teardown()
+            if self._owns_group:
+                self.group.kill()
             raise
-        finally:
-            if store_sock is not None:
-                store_sock.close()  # rank 0 holds its own copy
+        for rank in self.targets:
+            self.group.send(rank, ("run", {"task": self.task_id, "path": self._task_path, "seed": spec.seed}))
         self._emit("started", -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
         return self
 
-    def _rank_env(self, rank: int) -> dict[str, str]:
-        spec = self.spec
-        env = dict(os.environ)
-        env.update(spec.env)
-        env.update({
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
-            "LOCAL_WORLD_SIZE": str(spec.world_size), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": spec.master_addr,
-            "MASTER_PORT": str(self.port), "PYTHONUNBUFFERED": "1", "DDP_NOTEBOOK_RANK": str(rank),
-        })
-        if "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.world_size))
-        if spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        # The kernel's matplotlib backend would make every rank import ipykernel.
-        env.pop("MPLBACKEND", None)
-        return env
-
-    def _start_rank(self, rank: int, store_sock: socket.socket | None) -> None:
-        spec = self.spec
-        pass_fds = ()
-        boot = {
-            "rank": rank, "local_rank": rank, "world_size": spec.world_size, "local_world_size": spec.world_size,
-            "address": list(self._channel.address), "key": self._channel.key.hex(),
-            "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
-            "gpus": spec.gpus is not None, "backend": spec.backend, "init_group": spec.init_group,
-            "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
-            "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
-        }
-        if rank == 0 and store_sock is not None:
-            os.set_inheritable(store_sock.fileno(), True)
-            pass_fds = (store_sock.fileno(),)
-            boot["store_fd"] = store_sock.fileno()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_notebook.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=self._rank_env(rank), cwd=os.getcwd(), start_new_session=True,
-            pass_fds=pass_fds,
-        )
-        self._procs.append(proc)
-        self.pids[rank] = proc.pid
-        proc.stdin.write(json.dumps(boot).encode())
-        proc.stdin.close()
-        for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            os.set_blocking(pipe.fileno(), False)
-            self._pipes[pipe.fileno()] = (rank, stream)
-
     # -- watch -----------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self._outcome is not None
-
     def _pump(self, timeout: float = 0.1) -> None:
-        for conn in self._channel.new_connections():
-            self._conns[conn] = -1
-        ready = wait_ready(list(self._conns) + list(self._pipes), timeout)
-        for obj in ready:
-            if isinstance(obj, int):
-                self._read_pipe(obj)
-            else:
-                self._read_conn(obj)
-        self.relay.maybe_flush()
-        self._check_exits()
+        self.group.pump(timeout)
         self._check_progress()
 
-    def _read_pipe(self, fd: int) -> None:
-        rank, stream = self._pipes[fd]
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return
-        if data:
-            self.relay.feed(rank, stream, data)
-        else:
-            del self._pipes[fd]
-
-    def _read_conn(self, conn) -> None:
-        try:
-            while conn.poll():
-                kind, body = conn.recv()
-                self._on_message(conn, kind, body)
-        except (EOFError, OSError):
-            self._conns.pop(conn, None)
-            conn.close()
-
-    def _on_message(self, conn, kind: str, body: dict) -> None:
-        rank = self._conns.get(conn, -1)
-        if kind == "hello":
-            rank = int(body["rank"])
-            self._conns[conn] = rank
-            conn.send(self._task_message)
-        elif rank < 0:
-            return  # nothing counts before a rank has said who it is
-        elif kind == "ready":
-            self._ready.add(rank)
-        elif kind == "result":
+    def _on_message(self, rank: int, kind: str, body: dict) -> None:
+        if body.get("task", self.task_id) != self.task_id:
+            return  # a late word about an earlier cell of a warm pool
+        if kind == "result" and rank in self.targets:
             try:
                 self._results[rank] = pickle.loads(body["value"])
             except Exception as exc:
                 self._add_failure(Failure(rank, type(exc).__name__, f"its return value could not be unpickled "
                                           f"in the notebook: {exc}", "", time.time(), "user"))
         elif kind == "failed":
-            self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"], body["kind"]))
+            self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"],
+                                      body["kind"]))
         self._emit(kind, rank, body)
+
+    def _on_exit(self, rank: int, code: int) -> None:
+        if rank not in self._results and rank not in self._failures and self._outcome is None \
+                and not self._finishing:
+            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            if code in (-signal.SIGABRT, 134):
+                how += " (abort or crash)"
+            elif code == -signal.SIGSEGV:
+                how += " (segmentation fault)"
+            self._add_failure(Failure(rank, "RankDied", f"rank {rank} {how} without reporting an error",
+                                      "", time.time(), "exit"))
+        self._emit("exited", rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
         if failure.rank in self._failures:
@@ -401,57 +349,25 @@ class Job:
         if self._first_failure_at is None:
             self._first_failure_at = time.monotonic()
 
-    def _check_exits(self) -> None:
-        for rank, proc in enumerate(self._procs):
-            if rank in self._exited:
-                continue
-            code = proc.poll()
-            if code is None:
-                continue
-            self._exited[rank] = code
-            self._drain_rank(rank)
-            if rank not in self._results and rank not in self._failures and self._outcome is None and not self._finishing:
-                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-                if code in (-signal.SIGABRT, 134):
-                    how += " (abort or crash)"
-                elif code == -signal.SIGSEGV:
-                    how += " (segmentation fault)"
-                self._add_failure(Failure(rank, "RankDied", f"rank {rank} {how} without reporting an error",
-                                          "", time.time(), "exit"))
-            self._emit("exited", rank, {"code": code})
-
-    def _drain_rank(self, rank: int) -> None:
-        for fd, (r, _) in list(self._pipes.items()):
-            if r == rank:
-                while fd in self._pipes:
-                    try:
-                        self._read_pipe(fd)
-                    except OSError:
-                        self._pipes.pop(fd, None)
-        for conn, r in list(self._conns.items()):
-            if r == rank:
-                self._read_conn(conn)
-
-    _finishing = False
-
     def _check_progress(self) -> None:
         spec = self.spec
-        n = spec.world_size
+        targets = self.targets
         if self._failures:
-            answered = set(self._results) | set(self._failures) | set(self._exited)
+            answered = set(self._results) | set(self._failures) | set(self.group.exited)
             # A real error needs no wait; a crash barely any; a lost peer may be
             # the echo of an error whose report is still on its way.
             kinds = {f.kind for f in self._failures.values()}
             wait = 0.3 if kinds & {"user", "startup"} else 0.5 if "exit" in kinds else self.grace
-            if len(answered) == n or time.monotonic() - self._first_failure_at >= wait:
+            if answered >= set(targets) or time.monotonic() - self._first_failure_at >= wait:
                 self._fail()
             return
-        if len(self._results) == n:
-            self._outcome = ("ok", [self._results[r] for r in range(n)])
+        if len(self._results) == len(targets):
+            self._outcome = ("ok", [self._results[r] for r in targets])
             return
-        if len(self._ready) + len(self._exited) < n and time.time() - self.started_at > spec.startup_timeout \
-                and spec.init_group:
-            late = sorted(set(range(n)) - self._ready)
+        group = self.group
+        if spec.init_group and len(group.ready) + len(group.exited) < spec.world_size \
+                and time.time() - group.started_at > spec.startup_timeout:
+            late = sorted(set(range(spec.world_size)) - group.ready)
             self._add_failure(Failure(late[0], "StartupTimeout",
                                       f"ranks {', '.join(map(str, late))} did not join the process group within "
                                       f"{spec.startup_timeout:.0f} s (start-up bound, not --timeout)",
@@ -468,8 +384,8 @@ class Job:
                    f"({self.spec.timeout} s)"
             if finished:
                 note += f"; rank(s) {', '.join(map(str, finished))} finished the cell without joining it"
-            elif len(timed_out) < self.spec.world_size:
-                stuck_elsewhere = sorted(set(range(self.spec.world_size)) - set(timed_out))
+            elif len(timed_out) < len(self.targets):
+                stuck_elsewhere = sorted(set(self.targets) - set(timed_out))
                 note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
         others = [f.rank for f in failures if f.rank != cause.rank]
         if others and cause.kind != "timeout":
@@ -512,79 +428,37 @@ class Job:
     def _finish(self) -> None:
         """Let ranks exit cleanly on success; stop them at once on failure."""
         self._finishing = True
-        if self._outcome[0] == "ok":
-            for conn in list(self._conns):
-                try:
-                    conn.send(("exit", {}))
-                except OSError:
-                    pass
-            deadline = time.monotonic() + 10
-            while len(self._exited) < len(self._procs) and time.monotonic() < deadline:
-                self._pump(0.05)
-        self.stop()
+        if self._owns_group:
+            if self._outcome[0] == "ok":
+                self.group.shut_down()
+            else:
+                self.group.kill()
+        self._end()
 
     def stop(self) -> None:
-        """Stop every rank (and anything it started), reap them and remove the job's files."""
+        """Stop the job: its own ranks are ended; on a warm pool the pool brings its ranks back."""
         self._finishing = True
-        self._kill_ranks()
-        self._teardown()
         if self._outcome is None:
             self._outcome = ("error", KeyboardInterrupt())
-        self.ended_at = time.time()
-        self._emit("ended", -1, {"ok": self._outcome[0] == "ok"})
+        if self._owns_group:
+            if self.group is not None:
+                self.group.kill()
+        elif self.on_interrupt is not None:
+            self.on_interrupt(self)
+        self._end()
 
-    def _kill_ranks(self) -> None:
-        try:
-            import psutil
-        except ImportError:  # pragma: no cover - psutil is a dependency
-            psutil = None
-        strays = []
-        for proc in self._procs:
-            if proc.poll() is None and psutil is not None:
-                try:
-                    strays += psutil.Process(proc.pid).children(recursive=True)
-                except psutil.Error:
-                    pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in self._procs if p.poll() is None]
-            for proc in alive:
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            for child in strays:  # descendants that left the rank's process group
-                try:
-                    child.send_signal(sig)
-                except Exception:
-                    pass
-            deadline = time.monotonic() + (1.0 if sig == signal.SIGTERM else 5.0)
-            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if not any(p.poll() is None for p in alive):
-                break
-        for proc in self._procs:
+    def _end(self) -> None:
+        if self._task_path is not None:
             try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+                os.unlink(self._task_path)
+            except OSError:
                 pass
-        for rank in range(len(self._procs)):
-            self._drain_rank(rank)
-        self.relay.flush(final=True)
-        for proc in self._procs:
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-        self._pipes.clear()
-
-    def _teardown(self) -> None:
-        for conn in list(self._conns):
-            conn.close()
-        self._conns.clear()
-        if self._channel is not None:
-            self._channel.close()
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
+            self._task_path = None
+        payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
+        if self.ended_at is None:
+            self.ended_at = time.time()
+            self.relay.flush(final=True)
+            self._emit("ended", -1, {"ok": self._outcome[0] == "ok"})
 
 
 def last_job() -> Job | None:
@@ -661,4 +535,9 @@ def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = (), callbacks:
         job.add_listener(listener)
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
-    return job.start().result()
+    try:
+        job.start()
+    except BaseException:
+        payload.release(job.task)  # no rank ever ran: its shared arrays go now
+        raise
+    return job.result()

@@ -197,8 +197,10 @@ def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch):
     assert least.gpus == ["1", "3"] and "least busy" in least.notes[0]
     assert launcher.resolve_devices(None).world_size == 4
     assert launcher.resolve_devices(2, backend="gloo").backend == "gloo"
-    job = launcher.Job(least, b"")
-    job.port = 1234
-    env = job._rank_env(1)
+    from ddp_notebook.ranks import RankGroup
+
+    group = RankGroup(least, None)
+    group.port = 1234
+    env = group.rank_env(1)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["LOCAL_RANK"] == "1"

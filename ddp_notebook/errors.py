@@ -31,7 +31,7 @@ class Failure:
     message: str
     traceback: str
     time: float  # when the rank caught the error (time.time() on that rank)
-    kind: str  # "user", "comm" (lost a peer), "timeout", "exit" (died without a report), "startup"
+    kind: str  # "user", "comm" (lost a peer), "timeout", "exit" (died without a report), "startup", "interrupted"
 
     def headline(self) -> str:
         return f"{self.etype}: {self.message}" if self.message else self.etype
@@ -101,5 +101,5 @@ def blame(failures: list[Failure]) -> Failure:
     real report arrives; so real errors come before lost-peer errors, and within
     a kind the earliest time on the ranks' own clocks wins, not arrival order.
     """
-    order = {"user": 0, "startup": 0, "exit": 1, "timeout": 2, "comm": 3}
+    order = {"user": 0, "startup": 0, "exit": 1, "timeout": 2, "comm": 3, "interrupted": 4}
     return min(failures, key=lambda f: (order.get(f.kind, 0), f.time, f.rank))

@@ -245,6 +245,8 @@ class Job:
         self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
         self._thread: threading.Thread | None = None
         self._finishing = False
+        self._stop_requested = False
+        self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
 
     # -- listeners -------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -277,6 +279,28 @@ class Job:
     def done(self) -> bool:
         return self._outcome is not None
 
+    @property
+    def status(self) -> str:
+        """'running', 'done', 'failed' or 'stopped'."""
+        if self._outcome is None or self.ended_at is None:
+            return "running"
+        kind, value = self._outcome
+        return "done" if kind == "ok" else "stopped" if isinstance(value, KeyboardInterrupt) else "failed"
+
+    @property
+    def results(self) -> list[Any] | None:
+        """The per-rank return values once the job has succeeded."""
+        return self._outcome[1] if self._outcome is not None and self._outcome[0] == "ok" else None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The job's error once it has failed (or ``KeyboardInterrupt`` once stopped)."""
+        return self._outcome[1] if self._outcome is not None and self._outcome[0] == "error" else None
+
+    def __repr__(self) -> str:
+        where = f"{self.spec.world_size} GPU ranks" if self.spec.gpus else f"{self.spec.world_size} CPU ranks"
+        return f"<ddp_notebook Job #{self.task_id} on {where}: {self.status}>"
+
     # -- start -----------------------------------------------------------
     def start(self) -> "Job":
         global _last_job
@@ -298,6 +322,8 @@ class Job:
             finally:
                 if store_sock is not None:
                     store_sock.close()  # rank 0 holds its own copy
+        if not self._owns_group:
+            self.group.relay = self.relay
         self.group.handler = self._on_message
         self.group.on_exit = self._on_exit
         try:
@@ -388,15 +414,23 @@ class Job:
                 stuck_elsewhere = sorted(set(self.targets) - set(timed_out))
                 note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
         others = [f.rank for f in failures if f.rank != cause.rank]
-        if others and cause.kind != "timeout":
+        if len(failures) == len(self.targets) > 1 and len({f.headline() for f in failures}) == 1:
+            note = "(every rank failed the same way)"
+        elif others and cause.kind != "timeout":
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
         self._outcome = ("error", RankError(cause, failures, note))
 
     # -- wait / stop -----------------------------------------------------
     def result(self) -> list[Any]:
         """Wait for the job; the per-rank return values, or raise the first rank's error."""
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Wait (at most ``timeout`` seconds for a background job); what the foreground run would return."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"job #{self.task_id} is still running after {timeout} s")
         else:
             self._run()
         kind, value = self._outcome
@@ -407,9 +441,11 @@ class Job:
     def _run(self) -> None:
         try:
             while self._outcome is None:
+                if self._stop_requested:
+                    raise KeyboardInterrupt
                 self._pump()
         except BaseException:
-            self.stop()
+            self._stop_now()
             raise
         self._finish()
 
@@ -435,8 +471,17 @@ class Job:
                 self.group.kill()
         self._end()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """Stop the job: its own ranks are ended; on a warm pool the pool brings its ranks back."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            self._stop_requested = True  # the job's own thread stops it: it owns the ranks' pipes
+            thread.join(timeout)
+            return
+        if self.ended_at is None:
+            self._stop_now()
+
+    def _stop_now(self) -> None:
         self._finishing = True
         if self._outcome is None:
             self._outcome = ("error", KeyboardInterrupt())
@@ -459,6 +504,8 @@ class Job:
             self.ended_at = time.time()
             self.relay.flush(final=True)
             self._emit("ended", -1, {"ok": self._outcome[0] == "ok"})
+            for callback in self.on_done:
+                callback(self)
 
 
 def last_job() -> Job | None:
@@ -468,16 +515,22 @@ def last_job() -> Job | None:
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
            port: int | None = None, seed: int | None = None, backend: str | None = None,
-           timeout: float | None = None, callbacks: list | tuple = ()) -> list[Any]:
+           timeout: float | None = None, callbacks: list | tuple = (), background: bool = False) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
-    ``callbacks`` get each metric record the ranks ``report()``, reduced over all ranks, in this process.
+    With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
+    ``callbacks`` get each metric record the ranks ``report()``, reduced over
+    all ranks, in this process.  ``background=True`` returns the running
+    :class:`Job` at once (``job.wait()`` gives the values).
     """
     check_options(port, seed, timeout)
-    spec = resolve_devices(gpus, cpus, backend)
-    spec.port, spec.seed, spec.timeout = port, seed, timeout
+    pool = _pool() if gpus is None and cpus is None else None
+    spec = pool.spec_for(seed) if pool is not None else resolve_devices(gpus, cpus, backend)
+    if pool is None:
+        spec.port, spec.seed, spec.timeout = port, seed, timeout
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, _sources_for(fn))
-    return run_job(spec, task, callbacks=callbacks)
+    job = start_job(prepare_job(spec, task, callbacks, on_pool=pool is not None))
+    return job.run_in_background() if background else job.result()
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
@@ -497,7 +550,7 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, da
     task = payload.CallTask(fn, tuple(args), {}, True, _sources_for(fn))
     if join:
         return run_job(spec, task)
-    return SpawnContext(_checked_job(spec, task).start().run_in_background())
+    return SpawnContext(start_job(Job(spec, payload.dumps(task))).run_in_background())
 
 
 class SpawnContext:
@@ -524,20 +577,34 @@ def _sources_for(fn: Callable) -> payload.Sources:
     return payload.notebook_sources({code.co_filename} if code else set())
 
 
-def _checked_job(spec: JobSpec, task: Any) -> Job:
-    return Job(spec, payload.dumps(task))
-
-
-def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = (), callbacks: list | tuple = ()) -> list[Any]:
-    job = _checked_job(spec, task)
+def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
+                relay: OutputRelay | None = None, targets: list[int] | None = None) -> Job:
+    """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows."""
+    pool = _pool() if on_pool else None
+    data = payload.dumps(task)
+    job = pool.job(data, spec, targets, relay) if pool is not None else Job(spec, data, relay=relay)
     job.callbacks = list(callbacks)
-    for listener in listeners:
-        job.add_listener(listener)
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
+    return job
+
+
+def start_job(job: Job) -> Job:
     try:
-        job.start()
+        return job.start()
     except BaseException:
         payload.release(job.task)  # no rank ever ran: its shared arrays go now
         raise
-    return job.result()
+
+
+def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = (), callbacks: list | tuple = ()) -> list[Any]:
+    job = prepare_job(spec, task, callbacks, on_pool=False)
+    for listener in listeners:
+        job.add_listener(listener)
+    return start_job(job).result()
+
+
+def _pool():
+    from . import pool  # the warm pool runs jobs over this module's Job: imported when asked for
+
+    return pool.current()

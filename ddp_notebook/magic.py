@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import linecache
+import sys
+import time
 import warnings
 
 from IPython.core.error import UsageError
@@ -9,6 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import dashboard, launcher, payload
+from . import pool as pool_module
 from .errors import LaunchError, RankError
 
 
@@ -42,6 +45,10 @@ class DDPMagics(Magics):
     @argument("--callback", dest="callbacks", action="append", default=[], metavar="NAME",
               help="a callable in the notebook (or wandb) that gets each reported record, reduced over ranks")
     @argument("--tensorboard", default=None, metavar="DIR", help="write the reported metrics to TensorBoard in DIR")
+    @argument("--ranks", default=None, metavar="I,J",
+              help="on a warm pool: run the cell on these ranks only (for inspection; collectives would hang)")
+    @argument("--background", action="store_true",
+              help="return a Job at once and keep training while other cells run")
     @cell_magic
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of a DDP job.
@@ -58,28 +65,109 @@ class DDPMagics(Magics):
             raise UsageError("the %%ddp cell is empty: write the code the ranks should run below the %%ddp line")
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
+        warm = pool_module.current() if args.gpus is None and args.cpus is None else None
         try:
             launcher.check_options(args.port, args.seed, args.timeout)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
+            targets = _parse_ranks(args.ranks, warm, cell)
+            if warm is not None and (args.port is not None or args.timeout is not None or args.backend):
+                raise LaunchError("--port, --timeout and --backend are set when a warm pool starts "
+                                  "(%ddp_start); name devices (--gpus/--cpus) to run a fresh job instead")
             names, shadowed = payload.select_names(cell, shell.user_ns)
             for name in shadowed:
                 warnings.warn(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is not used",
                               stacklevel=2)
-            spec = launcher.resolve_devices(args.gpus, args.cpus, args.backend)
-            spec.port, spec.seed, spec.timeout = args.port, args.seed, args.timeout
-            spec.output_ranks = {0} if args.output == "0" else None
+            output_ranks = {0} if args.output == "0" else None
+            if warm is not None:
+                spec = warm.spec_for(args.seed, output_ranks)
+                names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
+            else:
+                spec = launcher.resolve_devices(args.gpus, args.cpus, args.backend)
+                spec.port, spec.seed, spec.timeout = args.port, args.seed, args.timeout
+                spec.output_ranks = output_ranks
             sources = payload.notebook_sources()
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
             sources.labels[filename] = f"Cell In[{number}]"
             task = payload.CellTask(cell, filename, 1, names, returns, sources)
-            results = launcher.run_job(spec, task, callbacks=_metric_callbacks(shell, args))
+            relay = background_relay() if args.background else None
+            job = launcher.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
+                                       relay=relay, targets=targets)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
+        if warm is not None:
+            job.on_done.append(lambda job: warm.cell_done(job, names, cell, shell.user_ns))
+        if args.background:
+            return _start_in_background(shell, job, returns, relay)
+        try:
+            launcher.start_job(job)
+        except LaunchError as exc:
+            raise UsageError(str(exc)) from None
+        results = job.result()
         if returns:
-            shell.user_ns.update(results[0].values)
-            if results[0].missing:
-                copied = f"; {', '.join(results[0].values)} copied back" if results[0].values else ""
-                raise UsageError(f"--return: the cell never assigned {', '.join(results[0].missing)}{copied}")
+            _take_returns(shell, results[0])
+
+    @magic_arguments()
+    @argument("--gpus", default=None, metavar="N|I,J,..", help="a GPU count or indices, as for %%ddp")
+    @argument("--cpus", type=int, default=None, metavar="N", help="N CPU ranks (gloo)")
+    @argument("--backend", choices=("nccl", "gloo"), default=None, help="process-group backend")
+    @argument("--port", type=int, default=None, metavar="P", help="master port (default: a free port)")
+    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="bound for each collective")
+    @line_magic
+    def ddp_start(self, line: str):
+        """Start a warm pool: ranks and a process group that live across cells.
+
+        Takes the device flags of ``%%ddp`` (``--gpus``, ``--cpus``, ``--backend``)
+        and ``--port``/``--timeout``.  Every later ``%%ddp`` cell that names no
+        devices runs on the pool and keeps its names; ``%ddp_stop`` ends it.
+        """
+        args = parse_argstring(self.ddp_start, line)
+        if pool_module.current() is not None:
+            raise UsageError("a warm pool is already up (%ddp_status); %ddp_stop it first")
+        try:
+            launcher.check_options(args.port, None, args.timeout)
+            spec = launcher.resolve_devices(args.gpus, args.cpus, args.backend)
+            spec.port, spec.timeout = args.port, args.timeout
+            for note in spec.notes:
+                print(f"ddp_notebook: {note}", file=sys.stderr)
+            started = time.time()
+            warm = pool_module.Pool(spec).start()
+        except LaunchError as exc:
+            raise UsageError(str(exc)) from None
+        where = f"GPUs {','.join(spec.gpus)}" if spec.gpus else "CPU"
+        print(f"warm pool: {spec.world_size} {where} ranks ({spec.backend}) ready in {time.time() - started:.1f} s")
+
+    @line_magic
+    def ddp_status(self, line: str):
+        """Show the warm pool's ranks: alive, device, memory."""
+        warm = pool_module.current()
+        if warm is None:
+            print("no warm pool (start one with %ddp_start --cpus 2 or --gpus N)")
+            return
+        print(f"warm pool: {warm.spec.world_size} ranks, {warm.spec.backend}, port {warm.group.port}, "
+              f"{warm.cells} cells run, {warm.restarts} restarts")
+        for row in warm.status():
+            memory = f"{row['rss'] / 2**20:.0f} MiB" if row["rss"] else "-"
+            print(f"  rank {row['rank']}  pid {row['pid']}  {'alive' if row['alive'] else 'DEAD'}  "
+                  f"{row['device']}  {memory}")
+
+    @line_magic
+    def ddp_stop(self, line: str):
+        """End the warm pool's ranks and remove what they left."""
+        warm = pool_module.current()
+        if warm is None:
+            print("no warm pool is up")
+            return
+        warm.stop()
+        print("warm pool stopped")
+
+    @line_magic
+    def ddp_jobs(self, line: str):
+        """List this kernel's background jobs and their status."""
+        if not _background_jobs:
+            print("no background jobs")
+        for job in _background_jobs:
+            took = (job.ended_at or time.time()) - job.started_at
+            print(f"job #{job.task_id}: {job.status}, {job.spec.world_size} ranks, {took:.0f} s")
 
     @line_magic
     def ddp_gpus(self, line: str):
@@ -94,6 +182,86 @@ class DDPMagics(Magics):
         if arg:
             raise UsageError("%ddp_gpus takes no argument, or 'off' to forget the picker's choice")
         return picker.gpu_picker()
+
+
+def _parse_ranks(text: str | None, warm, cell: str) -> list[int] | None:
+    if text is None:
+        return None
+    if warm is None:
+        raise LaunchError("--ranks runs a cell on some ranks of a warm pool; start one with %ddp_start")
+    try:
+        targets = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise LaunchError(f"--ranks {text!r}: give rank numbers, as in 0 or 0,2") from None
+    if not targets:
+        raise LaunchError("--ranks: no rank given")
+    if len(targets) < warm.spec.world_size:
+        calls = pool_module.collective_calls(cell)
+        if calls:
+            raise LaunchError(f"this cell runs on rank(s) {', '.join(map(str, targets))} only, but calls "
+                              f"{', '.join(calls)}: a collective needs every rank and would hang")
+    return targets
+
+
+def _take_returns(shell, result) -> None:
+    shell.user_ns.update(result.values)
+    if result.missing:
+        copied = f"; {', '.join(result.values)} copied back" if result.values else ""
+        raise UsageError(f"--return: the cell never assigned {', '.join(result.missing)}{copied}")
+
+
+_background_jobs: list = []
+
+
+def background_relay():
+    """Rank output of a background job goes to an Output widget under its own cell, from any thread."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from .output import OutputRelay
+
+    area = widgets.Output(layout=widgets.Layout(max_height="300px", overflow="auto"))
+    display(area)
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def write(self, text: str) -> None:
+            if text:
+                area.append_stdout(text) if self.name == "stdout" else area.append_stderr(text)
+
+        def flush(self) -> None:
+            pass
+
+    relay = OutputRelay(Stream("stdout"), Stream("stderr"))
+    relay.area = area
+    return relay
+
+
+def _start_in_background(shell, job, returns: list[str], relay):
+    def finished(job):
+        if job.status == "done" and returns:
+            result = job.results[0]
+            shell.user_ns.update(result.values)
+            missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} done: {', '.join(result.values)} "
+                                     f"copied into the notebook{missing}\n")
+        elif job.status == "failed":
+            relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
+        elif job.status == "stopped":
+            relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} was stopped\n")
+
+    job.on_done.append(finished)
+    try:
+        launcher.start_job(job)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+    dashboard.attach(job)  # shown now, under this cell, with a Stop button
+    if job.group is not None and getattr(job, "pool", None) is not None:
+        job.pool.busy = job
+    _background_jobs.append(job)
+    return job.run_in_background()
 
 
 def _this_cell(shell, line: str, cell: str) -> tuple[str, int]:

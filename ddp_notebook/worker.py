@@ -96,6 +96,26 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
     if boot["backend"] == "nccl":
         kwargs["device_id"] = ctx.device
     dist.init_process_group(boot["backend"], store=store, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+    ctx.extra["store"] = store
+
+
+def _sync(ctx, sender, body: dict) -> None:
+    """Meet every other rank at a barrier kept in the TCPStore, so a broken process group cannot hang it."""
+    store = ctx.extra.get("store")
+    key = f"ddp_notebook/sync/{body['task']}"
+    try:
+        if store is None:
+            raise RuntimeError("no store to meet at")
+        store.add(key, 1)
+        deadline = time.monotonic() + body.get("timeout", 5.0)
+        while store.add(key, 0) < ctx.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every rank came back")
+            time.sleep(0.005)
+        sender.send("synced", {"task": body["task"]})
+    except Exception as exc:  # noqa: BLE001
+        sender.send("failed", {**_failure(exc, {}, kind="comm"), "task": body["task"]})
+    sender.flush()
 
 
 def _failure(exc: BaseException, labels: dict, kind: str | None = None) -> dict:
@@ -156,24 +176,37 @@ def main() -> None:
     sender.send("ready", {})
 
     namespace: dict = {}  # kept across tasks: a warm rank remembers the cell's names
+    interruptible = threading.Event()
+
+    def interrupt(signum, frame):  # the notebook interrupts a cell, never the loop between cells
+        if interruptible.is_set():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
     while True:
         kind, body = tasks.get()
         if kind == "exit":
             break
+        if kind == "sync":
+            _sync(ctx, sender, body)
+            continue
         if kind != "run":
             continue
         task = None
         try:
+            interruptible.set()
             task = payload.load(body["path"])
             if body.get("seed") is not None:
                 _seed_everything(body["seed"])
             value = task.run(ctx, namespace)
+            interruptible.clear()
             import cloudpickle
 
             sender.send("result", {"task": body["task"], "value": cloudpickle.dumps(value)})
         except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
+            interruptible.clear()
             labels = task.sources.labels if task is not None else {}
-            body_out = _failure(exc, labels)
+            body_out = _failure(exc, labels, kind="interrupted" if isinstance(exc, KeyboardInterrupt) else None)
             body_out["task"] = body["task"]
             _report_failure(sender, body_out)
         sender.flush()

@@ -1,0 +1,290 @@
+"""A warm pool: ranks and a process group that live across cells.
+
+``%ddp_start`` starts the ranks once; every ``%%ddp`` cell without device flags
+then runs on them as a :class:`~ddp_notebook.launcher.Job` over the pool's
+:class:`~ddp_notebook.ranks.RankGroup`.  The ranks keep the cell's names, so
+the model stays where it is, and only notebook names that are new or changed
+(rebound or mutated in place) are shipped again.  After an error or an
+interrupt the pool checks that its ranks are back at a common point; if they
+are not, it restarts them and says that their state is gone.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import io
+import pickle
+import signal
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+
+from . import launcher
+from .errors import LaunchError
+from .output import OutputRelay
+from .ranks import RankGroup
+
+_current: "Pool | None" = None
+
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_reduce_metrics", "DistributedDataParallel", "DDP",
+}
+_INTERRUPT_WAIT_S = 3.0
+_SYNC_TIMEOUT_S = 5.0
+
+
+def current() -> "Pool | None":
+    """The warm pool of this kernel, if one is up."""
+    return _current if _current is not None and _current.group is not None else None
+
+
+class _FingerprintPickler(cloudpickle.Pickler):
+    # Large arrays enter the fingerprint by a digest of their bytes, not a copy.
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        numpy = sys.modules.get("numpy")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.numel() * obj.element_size() > 1 << 16:
+            data = obj.detach().cpu().contiguous()
+            digest = hashlib.blake2b(data.view(torch.uint8).reshape(-1).numpy().tobytes(), digest_size=16)
+            return _Digest, (digest.hexdigest(), str(obj.dtype), tuple(obj.shape), obj.requires_grad)
+        if numpy is not None and isinstance(obj, numpy.ndarray) and obj.nbytes > 1 << 16 and obj.dtype != object:
+            digest = hashlib.blake2b(numpy.ascontiguousarray(obj).tobytes(), digest_size=16)
+            return _Digest, (digest.hexdigest(), str(obj.dtype), obj.shape)
+        return super().reducer_override(obj)
+
+
+class _Digest:
+    def __init__(self, *args):
+        self.args = args
+
+
+def fingerprint(value: Any) -> str | None:
+    """A digest that changes when the value is rebound or mutated in place; None if it cannot be taken."""
+    buffer = io.BytesIO()
+    try:
+        _FingerprintPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception:
+        return None
+    return hashlib.blake2b(buffer.getvalue(), digest_size=16).hexdigest()
+
+
+def names_assigned(code: str) -> set[str]:
+    """Names a cell binds at its top level (assignments, imports, defs, classes, loop targets)."""
+    assigned: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            assigned.add(node.name)
+            return
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            assigned.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                assigned.add((alias.asname or alias.name).split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(code))
+    return assigned
+
+
+def collective_calls(code: str) -> list[str]:
+    """Obvious collective calls in the code (``dist.all_reduce(...)``, ``DDP(...)``, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name in COLLECTIVES:
+                found.append(name)
+    return sorted(set(found))
+
+
+class Pool:
+    """Warm ranks for this kernel; see the module docstring."""
+
+    def __init__(self, spec: launcher.JobSpec):
+        self.spec = spec
+        self.group: RankGroup | None = None
+        self.cells = 0
+        self.restarts = 0
+        self.busy: launcher.Job | None = None  # a background job running on the pool
+        # What each rank holds of the notebook's names: name -> fingerprint at shipping time (or at the
+        # moment the ranks bound the name themselves, so their value wins until the notebook changes its own).
+        self._held: list[dict[str, str]] = []
+
+    # -- life ------------------------------------------------------------
+    def start(self) -> "Pool":
+        global _current
+        spec = self.spec
+        group = RankGroup(spec, OutputRelay())
+        store_sock = launcher._bind_port(spec.master_addr, spec.port)
+        group.port = store_sock.getsockname()[1]
+        try:
+            group.start(store_sock)
+        finally:
+            store_sock.close()
+        failures: list[str] = []
+        group.handler = lambda rank, kind, body: failures.append(
+            f"rank {rank}: {body['etype']}: {body['message']}") if kind == "failed" else None
+        deadline = time.time() + spec.startup_timeout
+        try:
+            while len(group.ready) < spec.world_size:
+                group.pump(0.05)
+                if failures or group.exited or time.time() > deadline:
+                    reason = "; ".join(failures) or (f"rank(s) {sorted(group.exited)} exited" if group.exited
+                                                     else f"not ready within {spec.startup_timeout:.0f} s")
+                    raise LaunchError(f"the warm pool did not start: {reason}")
+        except BaseException:
+            group.kill()
+            raise
+        group.relay.flush(final=True)
+        self.group = group
+        self._held = [{} for _ in range(spec.world_size)]
+        _current = self
+        return self
+
+    def stop(self) -> None:
+        """End the ranks cleanly and remove everything the pool left."""
+        global _current
+        if self.busy is not None and not self.busy.done:
+            self.busy.stop()
+        if self.group is not None:
+            self.group.shut_down(wait=5.0)
+            self.group = None
+        if _current is self:
+            _current = None
+
+    def restart(self, reason: str) -> None:
+        """Replace the ranks; everything they held is lost, and the user is told so."""
+        print(f"ddp_notebook: {reason}; the warm pool was restarted and the names its ranks held are gone",
+              file=sys.stderr)
+        if self.group is not None:
+            self.group.kill()
+            self.group = None
+        self.restarts += 1
+        self.start()
+
+    def status(self) -> list[dict]:
+        """One row per rank: pid, alive, device, resident memory."""
+        import psutil
+
+        rows = []
+        for rank in range(self.spec.world_size):
+            pid = self.group.pids.get(rank) if self.group else None
+            alive = self.group is not None and rank in self.group.alive
+            rss = None
+            if alive:
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    alive = False
+            device = f"cuda:{rank} (GPU {self.spec.gpus[rank]})" if self.spec.gpus else "cpu"
+            rows.append({"rank": rank, "pid": pid, "alive": alive, "device": device, "rss": rss})
+        return rows
+
+    # -- cells -----------------------------------------------------------
+    def spec_for(self, seed: int | None = None, output_ranks: set[int] | None = None) -> launcher.JobSpec:
+        """The pool's spec with one cell's own settings."""
+        return dataclasses.replace(self.spec, seed=seed, output_ranks=output_ranks, notes=[])
+
+    def to_ship(self, names: dict[str, Any], targets: list[int]) -> dict[str, Any]:
+        """The names some target rank does not hold in their current notebook version."""
+        shipped = {}
+        for name, value in names.items():
+            mark = fingerprint(value)
+            if mark is None or any(self._held[r].get(name) != mark for r in targets):
+                shipped[name] = value
+        return shipped
+
+    def job(self, task: bytes, spec: launcher.JobSpec, targets: list[int] | None = None,
+            relay: OutputRelay | None = None) -> launcher.Job:
+        """A job for one cell (or call) on the pool's ranks."""
+        if self.busy is not None and not self.busy.done:
+            raise LaunchError("the warm pool is busy with a background job: wait for it (job.wait()) or stop it")
+        self._ensure_alive()
+        targets = list(range(self.spec.world_size)) if targets is None else targets
+        bad = [r for r in targets if not 0 <= r < self.spec.world_size]
+        if bad:
+            raise LaunchError(f"--ranks {bad}: the pool has ranks 0 to {self.spec.world_size - 1}")
+        job = launcher.Job(spec, task, group=self.group, targets=targets, relay=relay,
+                           on_interrupt=self._interrupted)
+        job.pool = self
+        return job
+
+    def cell_done(self, job: launcher.Job, shipped: dict[str, Any], code: str, user_ns: dict) -> None:
+        """After a cell: remember what the ranks hold now, and recover from a failure."""
+        self.cells += 1
+        if job._outcome is not None and job._outcome[0] == "error" and not isinstance(job._outcome[1],
+                                                                                       KeyboardInterrupt):
+            self._after_failure(job)
+        if self.group is None or self._held == [] or job.group is not self.group:
+            return  # restarted: the new ranks hold nothing
+        marks = {name: fingerprint(value) for name, value in shipped.items()}
+        bound = {name: fingerprint(user_ns[name]) for name in names_assigned(code) if name in user_ns}
+        for rank in job.targets:
+            self._held[rank].update({n: m for n, m in marks.items() if m is not None})
+            self._held[rank].update({n: m for n, m in bound.items() if m is not None})
+
+    def _ensure_alive(self) -> None:
+        if self.group is None:
+            raise LaunchError("the warm pool was stopped; start one with %ddp_start")
+        dead = sorted(set(range(self.spec.world_size)) - set(self.group.alive))
+        if dead:
+            self.restart(f"rank(s) {', '.join(map(str, dead))} of the warm pool had died")
+
+    def _answered(self, job: launcher.Job) -> bool:
+        answered = set(job._results) | {r for r, f in job._failures.items() if f.kind in ("user", "interrupted")}
+        return answered >= set(job.targets) and not self.group.exited
+
+    def _after_failure(self, job: launcher.Job) -> None:
+        # Every rank came back from the cell (they failed alike, before any collective): the pool
+        # stays.  A rank still waiting in a collective (or dead) means the group cannot be trusted.
+        deadline = time.monotonic() + 0.5
+        while not self._answered(job) and time.monotonic() < deadline:
+            self.group.pump(0.05)
+        if not self._answered(job):
+            waiting = sorted(set(job.targets) - set(job._results) - set(job._failures))
+            why = f"rank(s) {', '.join(map(str, waiting))} were left waiting in a collective" if waiting else \
+                "a rank failed inside a collective"
+            self.restart(why)
+
+    def _interrupted(self, job: launcher.Job) -> None:
+        """Interrupt stops the cell, not the pool: bring every rank back to a common point, or restart."""
+        group = self.group
+        group.signal(job.targets, signal.SIGINT)
+        deadline = time.monotonic() + _INTERRUPT_WAIT_S
+        while not self._answered(job) and time.monotonic() < deadline:
+            group.pump(0.05)
+        if self._answered(job) and self._sync(job.task_id):
+            print("ddp_notebook: cell interrupted; the warm pool's ranks are back and keep their state",
+                  file=sys.stderr)
+            return
+        self.restart("the ranks could not be brought back to a common point after the interrupt")
+
+    def _sync(self, task_id: int) -> bool:
+        group = self.group
+        synced, failed = set(), set()
+
+        def handler(rank, kind, body):
+            if body.get("task") == task_id:
+                (synced if kind == "synced" else failed if kind == "failed" else set()).add(rank)
+
+        previous, group.handler = group.handler, handler
+        try:
+            for rank in range(self.spec.world_size):
+                group.send(rank, ("sync", {"task": task_id, "timeout": _SYNC_TIMEOUT_S}))
+            deadline = time.monotonic() + _SYNC_TIMEOUT_S + 1
+            while len(synced) < self.spec.world_size and not failed and time.monotonic() < deadline:
+                group.pump(0.05)
+        finally:
+            group.handler = previous
+        return len(synced) == self.spec.world_size

@@ -94,15 +94,21 @@ class DDPMagics(Magics):
                                        relay=relay, targets=targets)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
-        if warm is not None:
-            job.on_done.append(lambda job: warm.cell_done(job, names, cell, shell.user_ns))
+        def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
+            if warm is not None:
+                warm.cell_done(job, names, cell, shell.user_ns, job.results[0].values if job.results and returns
+                               else None)
+
         if args.background:
-            return _start_in_background(shell, job, returns, relay)
+            return _start_in_background(shell, job, returns, relay, settle)
         try:
             launcher.start_job(job)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
-        results = job.result()
+        try:
+            results = job.result()
+        finally:
+            settle(job)
         if returns:
             _take_returns(shell, results[0])
 
@@ -239,8 +245,9 @@ def background_relay():
     return relay
 
 
-def _start_in_background(shell, job, returns: list[str], relay):
+def _start_in_background(shell, job, returns: list[str], relay, settle):
     def finished(job):
+        settle(job)
         if job.status == "done" and returns:
             result = job.results[0]
             shell.user_ns.update(result.values)

@@ -220,8 +220,13 @@ class Pool:
         job.pool = self
         return job
 
-    def cell_done(self, job: launcher.Job, shipped: dict[str, Any], code: str, user_ns: dict) -> None:
-        """After a cell: remember what the ranks hold now, and recover from a failure."""
+    def cell_done(self, job: launcher.Job, shipped: dict[str, Any], code: str, user_ns: dict,
+                  returned: dict[str, Any] | None = None) -> None:
+        """After a cell: remember what the ranks hold now, and recover from a failure.
+
+        Names the ranks bound (or sent back with ``--return``) are theirs: the
+        notebook's value of the same name is shipped again only once it changes.
+        """
         self.cells += 1
         if job._outcome is not None and job._outcome[0] == "error" and not isinstance(job._outcome[1],
                                                                                        KeyboardInterrupt):
@@ -229,7 +234,9 @@ class Pool:
         if self.group is None or self._held == [] or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
         marks = {name: fingerprint(value) for name, value in shipped.items()}
-        bound = {name: fingerprint(user_ns[name]) for name in names_assigned(code) if name in user_ns}
+        returned = returned or {}
+        bound = {name: fingerprint(returned[name] if name in returned else user_ns[name])
+                 for name in names_assigned(code) | set(returned) if name in user_ns or name in returned}
         for rank in job.targets:
             self._held[rank].update({n: m for n, m in marks.items() if m is not None})
             self._held[rank].update({n: m for n, m in bound.items() if m is not None})

@@ -1,0 +1,203 @@
+"""Warm pools and background jobs in real kernels."""
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from conftest import job_dirs, rank_processes
+from nbrun import error, gone, run_cells, text
+from ddp_notebook import pool
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_pool_unit_helpers():
+    import torch
+
+    assert pool.names_assigned("import numpy as np, os.path\nx, (y, z) = 1, (2, 3)\nfor i in range(2): pass\n"
+                               "def f(a):\n    b = 1\nclass C: pass\nwith open('f') as fh: pass") == \
+        {"np", "os", "x", "y", "z", "i", "f", "C", "fh"}
+    assert pool.collective_calls("import torch.distributed as dist\ndist.all_reduce(t)\nm = DDP(net)\nprint(t)") \
+        == ["DDP", "all_reduce"]
+    assert pool.collective_calls("print(t.sum())") == []
+    big = torch.zeros(100_000)
+    before = pool.fingerprint(big)
+    assert pool.fingerprint(big) == before
+    big[5] = 1  # mutated in place: a new fingerprint
+    assert pool.fingerprint(big) != before
+    items = [1, 2]
+    mark = pool.fingerprint(items)
+    items.append(3)
+    assert pool.fingerprint(items) != mark
+
+
+def test_a_pool_keeps_state_across_cells_and_recovers_from_errors(no_leftovers):
+    nb, _ = run_cells([
+        "%load_ext ddp_notebook",
+        "%ddp_start --cpus 2",
+        "import torch\nweights = torch.arange(200_000, dtype=torch.float64)\nitems = [1, 2]\ncalls = 0",
+        # 3: five pool cells in a row keep state
+        "%%ddp\nimport os\nimport torch.distributed as dist\nmodel = torch.nn.Linear(4, 4)\n"
+        "pid = os.getpid()\ncounter = torch.zeros(1)\nprint('pid', pid)",
+        "%%ddp\ncounter += 1\ndist.all_reduce(counter)\nprint('pid', os.getpid(), 'counter', counter.item())",
+        "%%ddp\ncounter += 1\nprint('same model', isinstance(model, torch.nn.Linear), counter.item())",
+        "%%ddp\nprint('sum', weights.sum().item(), 'items', len(items))",
+        # 7: the notebook mutates names in place: the ranks see the change
+        "items.append(3)\nweights[0] = 1e9",
+        "%%ddp --return seen\nseen = (len(items), weights[0].item())\nprint('pid', os.getpid())",
+        # 9: a name assigned in the ranks wins over the notebook's until the notebook rebinds it
+        "%%ddp\ncalls = 100 + rank",
+        "%%ddp --return calls\ncalls += 1",
+        "print('calls', calls)",
+        "calls = -5",
+        "%%ddp --return calls\ncalls += 1",
+        "print('calls', calls)",
+        # 15: subset cells
+        "%%ddp --ranks 0\nprint('inspect', counter.item(), rank)",
+        "%%ddp --ranks 1\ndist.all_reduce(counter)",
+        # 17: every rank fails alike: the pool stays
+        "%%ddp\nprint(not_defined_anywhere)",
+        "%%ddp\nprint('kept', counter.item(), 'pid', os.getpid())",
+        # 19: ranks diverge: the pool restarts and says so
+        "%%ddp\nif rank == 1:\n    raise RuntimeError('rank one quits')\ndist.all_reduce(counter)",
+        "%%ddp\nimport os\nprint('fresh', 'counter' in dir(), 'pid', os.getpid())",
+        "%ddp_status",
+        # 22: explicit devices start a fresh job beside the pool
+        "%%ddp --cpus 3\nprint('fresh job of', world_size)",
+        "%ddp_stop",
+        "import ddp_notebook.pool as p\nprint('pool after stop:', p.current())",
+    ], timeout=240)
+    c = nb.cells
+    pids = set(re.findall(r"pid (\d+)", text(c[3])))
+    assert len(pids) == 2
+    assert "counter 2.0" in text(c[4]) and set(re.findall(r"pid (\d+)", text(c[4]))) == pids
+    assert text(c[5]).count("same model True 3.0") == 2
+    assert text(c[6]).count(f"sum {float(sum(range(200_000)))} items 2") == 2
+    assert set(re.findall(r"pid (\d+)", text(c[8]))) == pids
+    assert "seen" in c[8].source and error(c[8]) is None
+    assert "calls 101" in text(c[11])  # the ranks' own `calls` (100 + rank 0), not the notebook's 0
+    assert "calls -4" in text(c[14])  # the notebook rebound it: its value is shipped again
+    assert text(c[15]) == "[rank 0] inspect 3.0 0\n"
+    assert "a collective needs every rank and would hang" in text(c[16])
+    assert "NameError" in text(c[17]) and "every rank failed the same way" in text(c[17])
+    assert text(c[18]).count("kept 3.0") == 2 and set(re.findall(r"pid (\d+)", text(c[18]))) == pids
+    assert "RuntimeError: rank one quits" in text(c[19])
+    assert "the warm pool was restarted and the names its ranks held are gone" in text(c[19])
+    fresh = set(re.findall(r"pid (\d+)", text(c[20])))
+    assert text(c[20]).count("fresh False") == 2 and fresh and not fresh & pids
+    assert "1 restarts" in text(c[21])
+    assert text(c[22]).count("fresh job of 3") == 3
+    assert "warm pool stopped" in text(c[23])
+    assert "pool after stop: None" in text(c[24])
+    for pid in pids | fresh:  # %ddp_stop left nothing, checked before the kernel shut down (cell 24 ran)
+        assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+
+
+def test_seen_values_come_back_from_a_pool_cell(no_leftovers):
+    nb, _ = run_cells([
+        "%load_ext ddp_notebook",
+        "%ddp_start --cpus 2",
+        "import torch\nw = torch.zeros(100_000)\nlog = []",
+        "%%ddp --return total\ntotal = w.sum().item() + len(log)",
+        "w[:] = 1\nlog.append('x')",
+        "%%ddp --return total\ntotal = w.sum().item() + len(log)",
+        "print(total)",
+        "%ddp_stop",
+    ])
+    assert text(nb.cells[6]) == "100001.0\n"
+
+
+TRAIN = '''%%ddp
+import os, time
+print("PID", os.getpid(), flush=True)
+net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
+for step in range(1000000):
+    net(torch.randn(4, 16)).sum().backward()
+    time.sleep(0.002)'''
+
+
+def _execute(kc, code, timeout=120):
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=lambda msg: _seen.append(msg))
+    return reply
+
+
+_seen: list = []
+
+
+def _streams():
+    return "".join(m["content"].get("text", "") for m in _seen if m["msg_type"] == "stream")
+
+
+def test_interrupt_in_a_pool_cell_and_kernel_death_leave_nothing(no_leftovers):
+    from nbrun import run_until_pids
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _execute(kc, "%load_ext ddp_notebook\nimport torch")
+        _execute(kc, "%ddp_start --cpus 2")
+        _execute(kc, "%%ddp\nimport os\nkept = rank * 10\nprint('PID', os.getpid())")
+        msg_id, pids = run_until_pids(kc, TRAIN)
+        time.sleep(0.5)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        told = ""
+        while True:  # what the interrupted cell said
+            msg = kc.get_iopub_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                told += msg["content"]["text"]
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        _seen.clear()
+        _execute(kc, "%%ddp\nprint('after interrupt', 'kept' in dir() and kept, os.getpid())")
+        after = _streams()
+        # Interrupt stops the cell, not the pool: the same ranks with their state, or (when a rank was caught
+        # inside a collective) a restart that the cell says plainly.
+        if "the ranks' state is kept" in told or "are back and keep their state" in told:
+            assert "after interrupt 0" in after and "after interrupt 10" in after
+            assert set(map(int, re.findall(r"after interrupt \d+ (\d+)", after))) == pids
+        else:
+            assert "the warm pool was restarted and the names its ranks held are gone" in told
+            assert after.count("after interrupt False") == 2
+        assert _execute(kc, "print(1)")["content"]["status"] == "ok"
+        _, pool_pids = run_until_pids(kc, "%%ddp\nimport os\nprint('PID', os.getpid())")
+        kernel_pid = km.provisioner.process.pid
+        os.kill(kernel_pid, signal.SIGKILL)
+        assert gone(pool_pids, 10), "pool ranks outlived the kernel"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_background_job_runs_while_other_cells_do(no_leftovers):
+    nb, _ = run_cells([
+        "%load_ext ddp_notebook",
+        "%%ddp --cpus 2 --background --return last\nimport time\nfrom ddp_notebook import report\n"
+        "for epoch in range(1, 9):\n    time.sleep(0.25)\n    report(epoch=epoch, epochs=8, loss=float(rank + epoch))\n"
+        "last = epoch",
+        "job = _\nprint('status', job.status)\nprint('meanwhile', 6 * 7)",
+        "values = job.wait(timeout=120)\nprint('status', job.status, 'values', len(values))\n"
+        "print('history', [round(r['loss'], 2) for r in job.history])\nprint('returned', last)",
+        "%ddp_jobs",
+        "%%ddp --cpus 2 --background\nimport time, os\nprint('PID', os.getpid(), flush=True)\ntime.sleep(600)",
+        "import time\nslow = _\nt = time.time()\ntime.sleep(4)\nslow.stop()\nprint('stopped in', round(time.time() - t - 4, 1), slow.status)\n"
+        "print('error', type(slow.error).__name__)",
+    ], timeout=180)
+    c = nb.cells
+    assert "status running" in text(c[2]) and "meanwhile 42" in text(c[2])
+    assert "status done values 2" in text(c[3])
+    assert "history [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]" in text(c[3])
+    assert "returned 8" in text(c[3])
+    assert re.search(r"job #\d+: done", text(c[4]))
+    stopped = re.search(r"stopped in ([\d.]+) stopped", text(c[6]))
+    assert stopped and float(stopped.group(1)) < 5
+    assert "error KeyboardInterrupt" in text(c[6])
+    # Its output and dashboard live in widgets under its own cell, never in the cells that ran meanwhile.
+    assert "[rank" not in text(c[2]) + text(c[3])
+    assert any(o.get("data", {}).get("application/vnd.jupyter.widget-view+json") for o in c[1].outputs)

@@ -106,9 +106,14 @@ def test_seen_values_come_back_from_a_pool_cell(no_leftovers):
         "w[:] = 1\nlog.append('x')",
         "%%ddp --return total\ntotal = w.sum().item() + len(log)",
         "print(total)",
+        # launch() without devices runs on the pool too
+        "%%ddp --return pool_pid\nimport os\npool_pid = os.getpid()",
+        "import os, ddp_notebook\ndef where():\n    import os\n    return os.getpid()\n"
+        "pids = ddp_notebook.launch(where)\nprint(pids[0] == pool_pid, len(pids))",
         "%ddp_stop",
     ])
     assert text(nb.cells[6]) == "100001.0\n"
+    assert text(nb.cells[8]) == "True 2\n"
 
 
 TRAIN = '''%%ddp

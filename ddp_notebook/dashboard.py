@@ -29,9 +29,10 @@ from .metrics import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.25
 MIN_REDRAW_S = 0.5  # a few figure redraws a second at most
-DRAW_SHARE = 0.1  # and at most this share of the kernel's time spent drawing
+DRAW_SHARE = 0.05  # and no more than this share of the kernel's time spent drawing,
+MAX_REDRAW_S = 2.0  # unless that would leave the figure stale for longer than this
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
-MAX_PLOTTED_POINTS = 2000  # per curve; longer curves are thinned for drawing (history keeps all)
+MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
 WIDGET_TEXT = "ddp_notebook live metrics (widgets; the final figure follows as an image)"
 
 
@@ -225,7 +226,7 @@ def _thin(xs: list, ys: list) -> tuple[list, list]:
 class Plot:
     """The matplotlib figure (Agg, no pyplot): losses together, accuracies together, others by name."""
 
-    PANEL_W, PANEL_H, DPI = 3.4, 2.4, 90
+    PANEL_W, PANEL_H, DPI = 3.4, 2.4, 100
 
     def __init__(self):
         self._figure = None
@@ -346,7 +347,7 @@ class WidgetView:
     replacing one value neither flickers nor adds outputs.
     """
 
-    def __init__(self, watcher: "Watcher"):
+    def __init__(self, watcher: "Watcher", stop=None):
         import ipywidgets as widgets
         from IPython.display import display
 
@@ -356,7 +357,15 @@ class WidgetView:
         self.bar_label = widgets.Label()
         self.bar_row = widgets.HBox([self.bar, self.bar_label], layout=widgets.Layout(display="none"))
         self.image = widgets.Image(format="png", layout=widgets.Layout(display="none", max_width="100%"))
-        self.box = widgets.VBox([self.status, self.bar_row, self.image])
+        # flex-start: the figure keeps its own size instead of being stretched (and blurred) to the cell's width.
+        parts = [self.status, self.bar_row, self.image]
+        self.stop_button = None
+        if stop is not None:  # a background job: the page can stop it
+            self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop")
+            self.stop_button.add_class("ddp-notebook-stop")
+            self.stop_button.on_click(lambda _: (setattr(self.stop_button, "disabled", True), stop()))
+            parts.insert(0, self.stop_button)
+        self.box = widgets.VBox(parts, layout=widgets.Layout(align_items="flex-start"))
         self.box.add_class("ddp-notebook-dashboard")
         self.plot = Plot()
         self._created_on = threading.get_ident()
@@ -412,9 +421,10 @@ class WidgetView:
             self.bar_row.layout.display = None
         if snapshot is not None and not final:
             started = time.monotonic()
+            first = self._drawn_version < 0  # pays for importing matplotlib: no measure of drawing
             png = self.plot.render(snapshot)
-            spent = time.monotonic() - started
-            self._next_draw = time.monotonic() + max(MIN_REDRAW_S, spent / DRAW_SHARE)
+            spent = 0.0 if first else time.monotonic() - started
+            self._next_draw = time.monotonic() + min(MAX_REDRAW_S, max(MIN_REDRAW_S, spent / DRAW_SHARE))
             self._drawn_version = version
             if png is not None:
                 self.image.value = png
@@ -425,6 +435,8 @@ class WidgetView:
         thread than the one that showed the dashboard ends the job: its display would land elsewhere)."""
         self._stop.set()
         self._thread.join()
+        if self.stop_button is not None:
+            self.stop_button.layout.display = "none"
         self.refresh(final=True)
         self.bar_row.layout.display = "none"
         watcher = self.watcher
@@ -439,8 +451,9 @@ class WidgetView:
             return
         from IPython.display import display
 
-        # The PNG lives once, in the output; the widget drops its copy so saved widget state stays small.
-        self.image.layout.display = "none"
+        # The figure, titled with the final status line, moves to a static output; the widget hides and drops
+        # its copy of the PNG, so saved widget state stays small and nothing shows twice.
+        self.box.layout.display = "none"
         self.image.value = b""
         display({"image/png": base64.b64encode(png).decode(), "text/plain": summary}, raw=True)
 
@@ -474,7 +487,9 @@ class Watcher:
     def _on_event(self, kind: str, rank: int, body: dict) -> None:
         if kind == "metric":
             with self.lock:
-                updates = self.reducer.add(rank, body)
+                updates = []
+                for report in body["reports"]:
+                    updates += self.reducer.add(rank, report)
                 for update in updates:
                     self.curves.add(update)
             self.forwarder.send(updates)
@@ -526,3 +541,16 @@ class Watcher:
             except Exception as exc:  # noqa: BLE001
                 self.views.remove(view)
                 warnings.warn(f"ddp_notebook: the metrics view failed and was closed: {exc!r}", stacklevel=1)
+
+
+def attach(job) -> None:
+    """Show a background job's dashboard now, under the current cell, with a Stop button.
+
+    Its events arrive on the job's own thread, where a first display would land
+    in whatever cell runs then; so the view is made here, in the job's cell.
+    """
+    watcher = next((listener for listener in job.listeners if isinstance(listener, Watcher)), None)
+    if watcher is None or not widget_frontend():
+        return
+    watcher._view_chosen = True
+    watcher.views.append(WidgetView(watcher, stop=job.stop))

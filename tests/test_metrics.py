@@ -1,6 +1,7 @@
 """report()/progress() on the rank side, and the notebook side (watcher, text view, callbacks, figure)
 driven with events, without processes."""
 import io
+import pickle
 import subprocess
 import sys
 import time
@@ -18,11 +19,17 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class FakeSender:
+    """Records what a rank sends, as the notebook would receive it (pickled on the way)."""
+
     def __init__(self):
-        self.sent = []
+        self.queued = []
 
     def send(self, kind, body=None):
-        self.sent.append((kind, body))
+        self.queued.append((kind, body))
+
+    @property
+    def sent(self):
+        return [(kind, pickle.loads(pickle.dumps(body))) for kind, body in self.queued]
 
 
 @pytest.fixture
@@ -37,7 +44,8 @@ def test_report_outside_a_job_prints_one_line():
     code = ("from ddp_notebook import report, progress\n"
             "report(epoch=3, epochs=10, train_loss=0.41234, val_acc=0.9)\n"
             "progress(1, 10)\n"
-            "import sys; print(sorted(m for m in ('IPython', 'ipywidgets', 'matplotlib', 'torch') if m in sys.modules))")
+            "import sys\n"
+            "print(sorted(m for m in ('IPython', 'ipywidgets', 'matplotlib', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True,
                          env={"PATH": "/usr/bin:/bin"})
     assert out.stdout.splitlines() == ["epoch 3/10  train_loss 0.4123  val_acc 0.9", "[]"]
@@ -46,14 +54,25 @@ def test_report_outside_a_job_prints_one_line():
 
 def test_report_in_a_rank_sends_one_event(in_rank):
     metrics.report(epoch=2, epochs=5, n=32, loss=np.float32(0.5), samples=metrics.Sum(64), correct=True)
-    assert in_rank.sent == [("metric", {"key": "epoch", "x": 2, "total": 5, "n": 32, "sum": ["samples"],
-                                        "values": {"loss": 0.5, "samples": 64, "correct": 1.0}})]
+    report = {"key": "epoch", "x": 2, "total": 5, "n": 32, "sum": ["samples"],
+              "values": {"loss": 0.5, "samples": 64, "correct": 1.0}}
+    assert in_rank.sent == [("metric", {"reports": [report]})]
+
+
+def test_reports_waiting_for_the_sender_travel_together(in_rank):
+    metrics.report(epoch=1, loss=1.0)
+    metrics.report(epoch=2, loss=2.0)  # the sender has not taken the first event yet: same message
+    assert len(in_rank.queued) == 1
+    assert [r["x"] for r in in_rank.sent[0][1]["reports"]] == [1, 2]  # pickling (sending) seals the batch
+    metrics.report(epoch=3, loss=3.0)
+    assert len(in_rank.queued) == 2
+    assert [r["x"] for r in in_rank.sent[1][1]["reports"]] == [3]
 
 
 def test_report_steps_and_implicit_steps(in_rank):
     metrics.report(step=10, epoch=1, loss=1.0)
     metrics.report(loss=2.0)
-    bodies = [body for _, body in in_rank.sent]
+    bodies = in_rank.sent[0][1]["reports"]
     assert (bodies[0]["key"], bodies[0]["x"], bodies[0]["epoch"]) == ("step", 10, 1)
     assert (bodies[1]["key"], bodies[1]["x"]) == ("step", 11)
 
@@ -103,7 +122,7 @@ class FakeJob:
 
 
 def report_body(epoch, **values):
-    return {"key": "epoch", "x": epoch, "total": 3, "values": values}
+    return {"reports": [{"key": "epoch", "x": epoch, "total": 3, "values": values}]}
 
 
 def test_text_view_prints_one_line_per_epoch_and_forwards(capsys):

@@ -44,6 +44,18 @@ for epoch in range(1, 4):
         report(epoch=epoch, rank0_only=5.0)
 """
 
+# Rank 1 fails after two epochs: the dashboard still leaves its figure, marked failed, before the error.
+FAILING = """\
+%%ddp --cpus 2
+import time
+from ddp_notebook import report
+for epoch in range(1, 4):
+    report(epoch=epoch, epochs=3, loss=rank + 1)
+    if rank == 1 and epoch == 2:
+        raise ValueError("rank 1 gives up")
+time.sleep(30)
+"""
+
 INSPECT = """\
 import json, ddp_notebook
 job = ddp_notebook.last_job()
@@ -63,10 +75,13 @@ def test_metrics_in_a_real_kernel(tmp_path, no_leftovers):
         QUIET,
         THREE_RANKS,
         INSPECT.format(csv=str(tmp_path / "three.csv"), got="got3"),
+        FAILING,
+        INSPECT.format(csv=str(tmp_path / "failed.csv"), got="[]"),
     ]
     nb, client = run_cells(cells, timeout=120, cwd=str(tmp_path))
-    for cell in nb.cells:
-        assert not [o for o in cell.outputs if o.output_type == "error"], text(cell)
+    for index, cell in enumerate(nb.cells):
+        if index != 6:
+            assert not [o for o in cell.outputs if o.output_type == "error"], text(cell)
 
     # 2 ranks, loss = rank + 1: every point is the global mean, 1.5.
     live = nb.cells[1]
@@ -107,6 +122,16 @@ def test_metrics_in_a_real_kernel(tmp_path, no_leftovers):
         assert record["rank0_only"] == 5.0 and record["partial"] == "rank0_only"
     assert [u for u in got3 if "loss" in u] == [{"epoch": e, "loss": history[0]["loss"], "samples": 60}
                                                 for e in (1, 2, 3)]
+
+    failed = nb.cells[6]
+    kinds = [o.output_type for o in failed.outputs]
+    assert kinds[-1] == "error" and "rank 1 gives up" in text(failed)
+    pngs = [o for o in failed.outputs if o.output_type == "display_data" and "image/png" in o.data]
+    assert len(pngs) == 1 and pngs[0].data["text/plain"].startswith("failed · 2 ranks · epoch ")
+    assert kinds.index("display_data") < kinds.index("error")
+    history, _ = _inspected(nb.cells[7])
+    assert [(r["epoch"], r["loss"]) for r in history][:2] == [(1, 1.5), (2, 1.5)]
+    assert all(r.get("partial") == "loss" for r in history[2:])  # epoch 3: rank 0's alone, marked
 
 
 def _inspected(cell):

@@ -1,0 +1,210 @@
+"""Drive notebooks in a real browser: JupyterLab + Debian's Chromium through Playwright.
+
+    require_browser()                      # skip (or, under CI=true, fail) when something is missing
+    with JupyterLab(root) as lab, Browser(profile_dir) as page:
+        open_notebook(page, lab, "quickstart.ipynb")
+        run_all_cells(page)
+        wait_idle(page)
+        screenshot(page, "quickstart.png")   # -> artifacts/quickstart.png
+
+Facts behind the details are in ../shared/notes/browser-testing.md: Chromium
+stalls without the flags below and a fresh profile; Playwright's ``launch()``
+refuses ``--user-data-dir``; JupyterLab needs ``--allow-root`` as root, its own
+config (the news toast covers the page otherwise) and its own session, so the
+server and its kernels stop together.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(ROOT, "artifacts")
+CHROMIUM = os.environ.get("DDP_NOTEBOOK_CHROMIUM", "/usr/lib/chromium/chromium")
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]
+HOW_TO_ENABLE = ("to run the browser tests: apt-get install chromium (Debian's, at /usr/lib/chromium/chromium, "
+                 "or set DDP_NOTEBOOK_CHROMIUM) and pip install jupyterlab ipywidgets playwright "
+                 "(never `playwright install`)")
+
+
+def missing() -> str | None:
+    """Why the browser tests cannot run here, or None when they can."""
+    if not os.path.exists(CHROMIUM):
+        return f"Chromium not found at {CHROMIUM}"
+    for module, package in (("playwright.sync_api", "playwright"), ("jupyterlab", "jupyterlab"),
+                            ("jupyterlab_widgets", "ipywidgets")):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{package} is not installed"
+    return None
+
+
+def require_browser() -> None:
+    """Skip the calling test when the browser stack is missing; under CI=true, fail instead."""
+    why = missing()
+    if why is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"browser test cannot run under CI=true: {why}; {HOW_TO_ENABLE}")
+    pytest.skip(f"{why}; {HOW_TO_ENABLE}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class JupyterLab:
+    """A JupyterLab server serving ``root``, with its own config, token and port; ``stop()`` ends it and
+    its kernels (its own session)."""
+
+    def __init__(self, root: str, start_timeout: float = 60.0, env: dict | None = None):
+        self.root = root
+        self.port = free_port()
+        self.token = os.urandom(12).hex()
+        state = os.path.join(root, ".jupyter-test")
+        config = os.path.join(state, "config")
+        os.makedirs(os.path.join(config, "labconfig"), exist_ok=True)
+        with open(os.path.join(config, "labconfig", "page_config.json"), "w") as f:
+            json.dump({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}, f)
+        server_env = dict(os.environ, JUPYTER_CONFIG_DIR=config, JUPYTER_RUNTIME_DIR=os.path.join(state, "runtime"))
+        server_env.update(env or {})
+        self._log = open(os.path.join(state, "lab.log"), "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+             f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
+             f"--LabApp.user_settings_dir={os.path.join(state, 'settings')}",
+             f"--LabApp.workspaces_dir={os.path.join(state, 'workspaces')}"],
+            cwd=root, env=server_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + start_timeout
+        while True:
+            try:
+                urllib.request.urlopen(self.url("api/status"), timeout=2).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"JupyterLab did not start:\n{self.output()}")
+                time.sleep(0.2)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path}?token={self.token}"
+
+    def output(self) -> str:
+        """The end of the server's log (kernel errors land here)."""
+        with open(self._log.name, "rb") as f:
+            return f.read().decode(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+    def __enter__(self) -> "JupyterLab":
+        return self
+
+    def __exit__(self, etype, value, tb) -> None:
+        if etype is not None:
+            print(self.output(), file=sys.stderr)
+        self.stop()
+
+
+class Browser:
+    """Chromium with a fresh profile in ``profile_dir``; the context manager gives its page."""
+
+    def __init__(self, profile_dir: str, width: int = 1400, height: int = 1000, timeout_ms: int = 30_000):
+        self.profile_dir = profile_dir
+        self.viewport = {"width": width, "height": height}
+        self.timeout_ms = timeout_ms
+
+    def __enter__(self):
+        from playwright.sync_api import sync_playwright
+
+        shutil.rmtree(self.profile_dir, ignore_errors=True)
+        self._playwright = sync_playwright().start()
+        try:
+            self.context = self._playwright.chromium.launch_persistent_context(
+                self.profile_dir, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+                viewport=self.viewport)
+        except BaseException:
+            self._playwright.stop()
+            raise
+        page = self.context.pages[0] if self.context.pages else self.context.new_page()
+        page.set_default_timeout(self.timeout_ms)
+        return page
+
+    def __exit__(self, etype, value, tb) -> None:
+        try:
+            self.context.close()
+        finally:
+            self._playwright.stop()
+
+
+def wait_for_text(locator, pattern: str, timeout: float = 30.0) -> str:
+    """Wait until the first element of ``locator`` has text matching ``pattern``; that text."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if locator.count():
+            last = locator.first.inner_text()
+            if re.search(pattern, last):
+                return last
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} did not appear within {timeout:.0f} s; last text: {last!r}")
+
+
+def wait_idle(page, timeout: float = 120.0) -> None:
+    """Wait for the kernel to be idle, by the status bar (the toolbar indicator says idle too early)."""
+    wait_for_text(page.locator("#jp-main-statusbar"), r"\| Idle", timeout)
+
+
+def open_notebook(page, lab: JupyterLab, path: str, timeout: float = 60.0) -> None:
+    """Open ``path`` (relative to the lab's root) and wait for its kernel."""
+    page.goto(lab.url(f"lab/tree/{path}"))
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    wait_idle(page, timeout)
+
+
+def run_all_cells(page) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
+
+
+def cells(page):
+    """The notebook's cells, in order (``.nth(i)``)."""
+    return page.locator(".jp-Notebook .jp-Cell")
+
+
+def screenshot(target, name: str) -> str:
+    """Save a screenshot of a page (all of it) or of one element (a locator) as artifacts/<name>; its path."""
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    path = os.path.join(ARTIFACTS, name)
+    if hasattr(target, "goto"):
+        target.screenshot(path=path, full_page=True)
+    else:
+        target.screenshot(path=path)
+    return path

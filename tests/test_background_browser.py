@@ -1,0 +1,45 @@
+"""A background job's Stop button, clicked in a real browser (JupyterLab + Debian Chromium via Playwright)."""
+import re
+
+import nbformat
+import pytest
+
+from browser_support import Browser, JupyterLab, cells, open_notebook, require_browser, run_all_cells, screenshot, \
+    wait_for_text, wait_idle
+
+CELLS = [
+    "%load_ext ddp_notebook",
+    "%%ddp --cpus 2 --background\nimport time\nfrom ddp_notebook import report\n"
+    "for epoch in range(1, 10_000):\n    time.sleep(0.2)\n    report(epoch=epoch, loss=1.0 / epoch)",
+    "job = _\nprint('meanwhile the kernel is free:', job.status)",
+]
+
+
+@pytest.mark.timeout(170)
+def test_the_stop_button_stops_a_background_job(tmp_path):
+    require_browser()
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(root / "background.ipynb"))
+    with JupyterLab(str(root)) as lab, Browser(str(tmp_path / "profile")) as page:
+        open_notebook(page, lab, "background.ipynb")
+        run_all_cells(page)
+        wait_for_text(cells(page).nth(2), r"meanwhile the kernel is free: running", 120)
+        dashboard = page.locator(".jp-OutputArea-output .ddp-notebook-dashboard")
+        dashboard.wait_for(timeout=60_000)
+        status = dashboard.locator(".widget-html")
+        wait_for_text(status, r"epoch [3-9]", 60)  # training goes on while the kernel is idle
+        button = dashboard.locator(".ddp-notebook-stop")
+        assert button.is_visible()
+        button.click()
+        wait_for_text(status, r"stopped", 20)
+        screenshot(cells(page).nth(1), "background_stopped.png")
+        wait_idle(page, 30)
+        # The kernel sees it too: run one more cell that reads the job.
+        cells(page).nth(2).click()
+        page.keyboard.press("Shift+Enter")
+        wait_for_text(cells(page).nth(2), r"meanwhile the kernel is free: stopped", 30)
+        assert not button.is_visible()
+        assert re.search(r"stopped", status.inner_text())

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "rank_context", "load_ipython_extension",
     "report", "progress", "Sum",
-    "gpu_picker",
+    "gpu_picker", "export", "follow",
     "distributed_loader", "all_reduce_metrics", "save_checkpoint", "load_checkpoint", "BestCheckpoint",
     "clean_state_dict", "unwrap_model",
 ]
@@ -32,6 +32,14 @@ def __getattr__(name):
 
         dashboard.install()  # launch() from Python: live metrics as text lines, or widgets in a kernel
         return getattr(launcher, name)
+    if name == "export":  # notebook side: a cell or function as a script for torchrun
+        from .exporting import export
+
+        return export
+    if name == "follow":  # notebook side: the dashboard of a torchrun job, from its metrics files
+        from .following import follow
+
+        return follow
     if name == "gpu_picker":  # notebook side only: imports ipywidgets
         from .picker import gpu_picker
 

@@ -92,6 +92,8 @@ class JobSpec:
     master_addr: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # told to the user at start
+    nnodes: int = 1  # > 1: this host is node 0 of a job on several hosts (nodes.py); world_size counts them all
+    export_path: str | None = None  # the script the other hosts run under torchrun (nnodes > 1)
 
 
 def _parse_gpu_arg(gpus: Any) -> int | list[int]:
@@ -309,7 +311,11 @@ class Job:
         self.started_at = time.time()
         for observe in list(_job_observers):
             observe(self)
-        if self._owns_group:
+        if self._owns_group and spec.nnodes > 1:
+            from .nodes import NodeGroup  # several hosts: this host's ranks under a torchrun agent
+
+            self.group = NodeGroup(spec, self.relay, self.task, self.task_id).start()
+        elif self._owns_group:
             self.group = RankGroup(spec, self.relay)
             store_sock = None
             try:
@@ -326,6 +332,12 @@ class Job:
             self.group.relay = self.relay
         self.group.handler = self._on_message
         self.group.on_exit = self._on_exit
+        if spec.nnodes == 1:  # (on several hosts every rank runs the task exported with it)
+            self._send_task()
+        self._emit("started", -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
+        return self
+
+    def _send_task(self) -> None:
         try:
             self._task_path = payload.write(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
         except BaseException:
@@ -333,9 +345,7 @@ class Job:
                 self.group.kill()
             raise
         for rank in self.targets:
-            self.group.send(rank, ("run", {"task": self.task_id, "path": self._task_path, "seed": spec.seed}))
-        self._emit("started", -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
-        return self
+            self.group.send(rank, ("run", {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed}))
 
     # -- watch -----------------------------------------------------------
     def _pump(self, timeout: float = 0.1) -> None:
@@ -356,10 +366,13 @@ class Job:
                                       body["kind"]))
         self._emit(kind, rank, body)
 
-    def _on_exit(self, rank: int, code: int) -> None:
+    def _on_exit(self, rank: int, code: int | None) -> None:
         if rank not in self._results and rank not in self._failures and self._outcome is None \
                 and not self._finishing:
-            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            if code is None:  # a rank on another host: only its connection tells
+                how = "lost its connection to the notebook (it, its torchrun agent or its host ended)"
+            else:
+                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
             if code in (-signal.SIGABRT, 134):
                 how += " (abort or crash)"
             elif code == -signal.SIGSEGV:
@@ -515,19 +528,29 @@ def last_job() -> Job | None:
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
            port: int | None = None, seed: int | None = None, backend: str | None = None,
-           timeout: float | None = None, callbacks: list | tuple = (), background: bool = False) -> Any:
+           timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
+           nnodes: int = 1, master_addr: str | None = None, export: str | None = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
     ``callbacks`` get each metric record the ranks ``report()``, reduced over
     all ranks, in this process.  ``background=True`` returns the running
     :class:`Job` at once (``job.wait()`` gives the values).
+
+    ``nnodes > 1``: this host runs node 0 (the devices named here) of a job on
+    that many hosts, with the master at ``master_addr:port``; the call is
+    exported to the script ``export`` (default ``ddp_node_job.py``), which the
+    other hosts run with torchrun (the command is printed).
     """
     check_options(port, seed, timeout)
-    pool = _pool() if gpus is None and cpus is None else None
+    pool = _pool() if gpus is None and cpus is None and nnodes == 1 else None
     spec = pool.spec_for(seed) if pool is not None else resolve_devices(gpus, cpus, backend)
     if pool is None:
         spec.port, spec.seed, spec.timeout = port, seed, timeout
+    if nnodes != 1:
+        from .nodes import node_spec
+
+        spec = node_spec(spec, nnodes, 0, master_addr, export)
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, _sources_for(fn))
     job = start_job(prepare_job(spec, task, callbacks, on_pool=pool is not None))
     return job.run_in_background() if background else job.result()
@@ -581,7 +604,7 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
                 relay: OutputRelay | None = None, targets: list[int] | None = None) -> Job:
     """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows."""
     pool = _pool() if on_pool else None
-    data = payload.dumps(task)
+    data = task if spec.nnodes > 1 else payload.dumps(task)  # several hosts: exported when the job starts
     job = pool.job(data, spec, targets, relay) if pool is not None else Job(spec, data, relay=relay)
     job.callbacks = list(callbacks)
     for note in spec.notes:

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import dashboard, launcher, payload
+from . import dashboard, exporting, launcher, nodes, payload
 from . import pool as pool_module
 from .errors import LaunchError, RankError
 
@@ -49,6 +49,19 @@ class DDPMagics(Magics):
               help="on a warm pool: run the cell on these ranks only (for inspection; collectives would hang)")
     @argument("--background", action="store_true",
               help="return a Job at once and keep training while other cells run")
+    @argument("--export", default=None, metavar="SCRIPT.py",
+              help="write the cell as a script for torchrun (its payload beside it) and do not run it; "
+                   "with --nnodes: the script the other hosts run")
+    @argument("--run-dir", default=None, metavar="DIR",
+              help="with --export: where the script's report() writes metrics-node<I>.jsonl (default: beside "
+                   "the script), which ddp_notebook.follow(DIR) shows")
+    @argument("--nnodes", type=int, default=1, metavar="N",
+              help="run this host's ranks as node 0 of a job on N hosts (static rendezvous at "
+                   "--master-addr:--port); the other hosts run the export under torchrun")
+    @argument("--node-rank", type=int, default=0, metavar="I",
+              help="the notebook's node: 0 (the other nodes run under torchrun)")
+    @argument("--master-addr", default=None, metavar="HOST",
+              help="with --nnodes: this host's address, as the other hosts reach it")
     @cell_magic
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of a DDP job.
@@ -58,6 +71,9 @@ class DDPMagics(Magics):
         (functions, classes, models, datasets) are there, shipped with cloudpickle.
 
         With no device flag: every GPU of the machine, or 2 CPU ranks without GPUs.
+        ``--export train.py`` writes the cell as a script for torchrun instead of
+        running it; ``--nnodes N --master-addr HOST`` runs this host's ranks as
+        node 0 of a job on N hosts.
         """
         args = parse_argstring(self.ddp, line)
         returns = _parse_returns(args.returns)
@@ -65,10 +81,13 @@ class DDPMagics(Magics):
             raise UsageError("the %%ddp cell is empty: write the code the ranks should run below the %%ddp line")
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
-        warm = pool_module.current() if args.gpus is None and args.cpus is None else None
+        export_only = args.export is not None and args.nnodes == 1
+        warm = pool_module.current() if args.gpus is None and args.cpus is None and args.nnodes == 1 \
+            and not export_only else None
         try:
             launcher.check_options(args.port, args.seed, args.timeout)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
+            _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell)
             if warm is not None and (args.port is not None or args.timeout is not None or args.backend):
                 raise LaunchError("--port, --timeout and --backend are set when a warm pool starts "
@@ -78,17 +97,26 @@ class DDPMagics(Magics):
                 warnings.warn(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is not used",
                               stacklevel=2)
             output_ranks = {0} if args.output == "0" else None
-            if warm is not None:
+            if export_only:
+                spec = None  # the devices are torchrun's to give
+            elif warm is not None:
                 spec = warm.spec_for(args.seed, output_ranks)
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
             else:
                 spec = launcher.resolve_devices(args.gpus, args.cpus, args.backend)
                 spec.port, spec.seed, spec.timeout = args.port, args.seed, args.timeout
                 spec.output_ranks = output_ranks
+                if args.nnodes != 1:
+                    spec = nodes.node_spec(spec, args.nnodes, args.node_rank, args.master_addr, args.export)
             sources = payload.notebook_sources()
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
             sources.labels[filename] = f"Cell In[{number}]"
             task = payload.CellTask(cell, filename, 1, names, returns, sources)
+            if export_only:
+                exported = exporting.write(task, args.export, run_dir=args.run_dir, seed=args.seed,
+                                           timeout=args.timeout, backend=args.backend)
+                print(exported.summary(args.cpus or _gpu_count(args.gpus) or "N"))
+                return None
             relay = background_relay() if args.background else None
             job = launcher.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
                                        relay=relay, targets=targets)
@@ -188,6 +216,36 @@ class DDPMagics(Magics):
         if arg:
             raise UsageError("%ddp_gpus takes no argument, or 'off' to forget the picker's choice")
         return picker.gpu_picker()
+
+
+def _check_node_flags(args, export_only: bool) -> None:
+    """Refuse flags that do not go together with --export or --nnodes."""
+    if args.nnodes == 1:
+        if args.node_rank != 0 or args.master_addr is not None:
+            raise LaunchError("--node-rank and --master-addr go with --nnodes (a job on several hosts)")
+    elif args.run_dir is not None:
+        raise LaunchError("with --nnodes every node's ranks report to this notebook; --run-dir is where an "
+                          "export run without a notebook writes its metrics")
+    elif args.ranks is not None:
+        raise LaunchError("--ranks runs a cell on some ranks of a warm pool, not on several hosts")
+    if args.run_dir is not None and args.export is None:
+        raise LaunchError("--run-dir goes with --export: where the exported script writes its metrics")
+    if export_only:
+        running = [flag for flag, given in (("--return", args.returns), ("--ranks", args.ranks),
+                                            ("--background", args.background), ("--callback", args.callbacks),
+                                            ("--tensorboard", args.tensorboard), ("--output", args.output != "all"))
+                   if given]
+        if running:
+            raise LaunchError(f"--export writes the cell as a script and does not run it; {', '.join(running)} "
+                              f"need a run (with --nnodes, this host runs node 0 of the job)")
+
+
+def _gpu_count(gpus: str | None) -> int | None:
+    """How many GPUs ``--gpus`` names (for the torchrun command an export prints)."""
+    if gpus is None:
+        return None
+    text = gpus.strip()
+    return int(text) if "," not in text and text.isdigit() else len([p for p in text.split(",") if p.strip()])
 
 
 def _parse_ranks(text: str | None, warm, cell: str) -> list[int] | None:

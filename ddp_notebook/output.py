@@ -36,13 +36,14 @@ class OutputRelay:
         self.lines_seen = 0
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
-        if self.ranks is not None and rank not in self.ranks:
+        """Lines of a rank; rank -1: lines of the torchrun agent that runs this host's ranks (always shown)."""
+        if self.ranks is not None and rank not in self.ranks and rank >= 0:
             return
         text = self._partial.pop((rank, stream), "") + data.decode("utf-8", "replace")
         lines = text.split("\n")
         if lines[-1]:
             self._partial[(rank, stream)] = lines[-1]
-        prefix = f"[rank {rank}] "
+        prefix = _label(rank) + " "
         self._pending[stream].extend((rank, prefix + line + "\n") for line in lines[:-1])
         self.lines_seen += len(lines) - 1
 
@@ -53,7 +54,7 @@ class OutputRelay:
     def flush(self, final: bool = False) -> None:
         if final:
             for (rank, stream), rest in sorted(self._partial.items()):
-                self._pending[stream].append((rank, f"[rank {rank}] {rest}\n"))
+                self._pending[stream].append((rank, f"{_label(rank)} {rest}\n"))
             self._partial.clear()
         self._last_flush = self._clock()
         for name, lines in self._pending.items():
@@ -74,10 +75,14 @@ class OutputRelay:
             else:
                 used[rank] = share + 1  # once over budget, everything older goes
                 dropped[rank] += 1
-        out = [f"[ddp_notebook] ... {dropped[r]} lines of rank {r} elided (output rate limit) ...\n"
+        out = [f"[ddp_notebook] ... {dropped[r]} lines of {_label(r)[1:-1]} elided (output rate limit) ...\n"
                for r in ranks if dropped[r]]
         self.elided += sum(dropped.values())
         out += [line for (_, line), kept in zip(lines, keep) if kept]
         stream = self._streams[name] or (sys.stdout if name == "stdout" else sys.stderr)
         stream.write("".join(out))
         stream.flush()
+
+
+def _label(rank: int) -> str:
+    return f"[rank {rank}]" if rank >= 0 else "[torchrun]"

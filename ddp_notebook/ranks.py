@@ -143,6 +143,9 @@ class RankGroup:
             else:
                 self._read_conn(obj)
         self.relay.maybe_flush()
+        self._notice_exits()
+
+    def _notice_exits(self) -> None:
         for rank, proc in enumerate(self._procs):
             if rank not in self.exited and proc.poll() is not None:
                 self.exited[rank] = proc.returncode

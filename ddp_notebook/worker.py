@@ -69,17 +69,39 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
-    import datetime
-
+def set_device(ctx: context.RankContext, gpus: bool) -> None:
+    """The rank's device: its own GPU (``cuda:LOCAL_RANK`` of the GPUs it sees), or the CPU."""
     import torch
-    import torch.distributed as dist
 
-    if boot["gpus"]:
+    if gpus:
         torch.cuda.set_device(ctx.local_rank)
         ctx.device = torch.device("cuda", ctx.local_rank)
     else:
         ctx.device = torch.device("cpu")
+
+
+def join_group(ctx: context.RankContext, backend: str, timeout: float | None, store=None) -> None:
+    """``init_process_group`` with the job's options: on ``store``, or from the environment (env://, torchrun)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    kwargs = {}
+    if timeout:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = ctx.device
+    if store is not None:
+        kwargs.update(store=store, rank=ctx.rank, world_size=ctx.world_size)
+    dist.init_process_group(backend, **kwargs)
+
+
+def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    set_device(ctx, boot["gpus"])
     if not boot["init_group"]:
         return
     startup = datetime.timedelta(seconds=boot["startup_timeout"])
@@ -90,12 +112,7 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
         boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
         timeout=startup, wait_for_workers=False, **extra,
     )
-    kwargs = {}
-    if boot.get("timeout"):
-        kwargs["timeout"] = datetime.timedelta(seconds=boot["timeout"])
-    if boot["backend"] == "nccl":
-        kwargs["device_id"] = ctx.device
-    dist.init_process_group(boot["backend"], store=store, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+    join_group(ctx, boot["backend"], boot.get("timeout"), store)
     ctx.extra["store"] = store
 
 
@@ -142,6 +159,43 @@ def _report_failure(sender, body: dict) -> None:
             pass
         time.sleep(delay)
     sender.send("failed", body)
+
+
+def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None = None, namespace: dict | None = None,
+             interruptible: threading.Event | None = None) -> dict | None:
+    """Run one task as every rank runs it (a notebook's rank, or an exported script's under torchrun).
+
+    ``load()`` gives the task; with ``seed`` every generator is seeded first; the
+    cell runs in ``namespace``.  The result, or the failure with the cell's own
+    traceback, goes to the notebook through ``sender`` (None: there is no
+    notebook).  Returns the failure's report, or None when the task succeeded.
+    """
+    task = None
+    failure = None
+    try:
+        if interruptible is not None:
+            interruptible.set()
+        task = load()
+        if seed is not None:
+            _seed_everything(seed)
+        value = task.run(ctx, namespace)
+        if interruptible is not None:
+            interruptible.clear()
+        if sender is not None:
+            import cloudpickle
+
+            sender.send("result", {"task": task_id, "value": cloudpickle.dumps(value)})
+    except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
+        if interruptible is not None:
+            interruptible.clear()
+        labels = task.sources.labels if task is not None else {}
+        failure = _failure(exc, labels, kind="interrupted" if isinstance(exc, KeyboardInterrupt) else None)
+        failure["task"] = task_id
+        if sender is not None:
+            _report_failure(sender, failure)
+    if sender is not None:
+        sender.flush()
+    return failure
 
 
 def main() -> None:
@@ -192,24 +246,8 @@ def main() -> None:
             continue
         if kind != "run":
             continue
-        task = None
-        try:
-            interruptible.set()
-            task = payload.load(body["path"])
-            if body.get("seed") is not None:
-                _seed_everything(body["seed"])
-            value = task.run(ctx, namespace)
-            interruptible.clear()
-            import cloudpickle
-
-            sender.send("result", {"task": body["task"], "value": cloudpickle.dumps(value)})
-        except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
-            interruptible.clear()
-            labels = task.sources.labels if task is not None else {}
-            body_out = _failure(exc, labels, kind="interrupted" if isinstance(exc, KeyboardInterrupt) else None)
-            body_out["task"] = body["task"]
-            _report_failure(sender, body_out)
-        sender.flush()
+        run_task(ctx, sender, body["task"], lambda: payload.load(body["path"]), body.get("seed"), namespace,
+                 interruptible)
 
     try:
         import torch.distributed as dist

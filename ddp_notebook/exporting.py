@@ -1,0 +1,308 @@
+"""Export a cell or a function as a standalone script that runs under torchrun.
+
+``export(fn, "train.py")`` and ``%%ddp --export train.py`` write, and do not run:
+
+* ``train.py``: a short script that finds its files beside itself (from any
+  working directory) and hands over to :mod:`ddp_notebook.runner`;
+* ``train.payload.pkl``: the task, pickled as for a job (the cell's code and
+  the notebook objects it uses; notebook-defined functions and classes by value);
+* ``train.arrays.bin``: big tensors and arrays, written once and memory-mapped
+  by every rank (only when there are some);
+* ``train.manifest.json``: the Python minor, torch, cloudpickle and ddp_notebook
+  versions of the notebook, which the script checks before it unpickles anything.
+
+Notebook side; the versions are read the same way on both sides.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import payload, sharing
+from .errors import LaunchError
+
+FORMAT = 1
+VERSIONED = ("python", "torch", "cloudpickle", "ddp_notebook")
+SKIP_CHECK_ENV = "DDP_NOTEBOOK_SKIP_VERSION_CHECK"
+_ARRAYS_REF = "ddp_notebook-export"  # stands where a shared buffer's device id would be
+_ALIGN = 4096
+
+
+def versions() -> dict[str, str]:
+    """What the version check compares: the Python minor version and three packages' versions."""
+    from importlib import metadata
+
+    from . import __version__
+
+    found = {"python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    for name in ("torch", "cloudpickle"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            try:
+                found[name] = str(__import__(name).__version__)
+            except ImportError:
+                found[name] = "not installed"
+    found["ddp_notebook"] = __version__
+    return found
+
+
+def _comparable(name: str, version: str) -> str:
+    # A CPU notebook exports for a CUDA cluster: 2.13.0+cpu and 2.13.0+cu126 pickle alike.
+    return version.split("+")[0] if name == "torch" else version
+
+
+def version_problems(exported: dict[str, str]) -> list[str]:
+    """One line per version that differs between the exporting notebook and this process."""
+    here = versions()
+    return [f"  {name:<13} {exported[name]} in the notebook, {here.get(name, 'not installed')} here"
+            for name in VERSIONED
+            if name in exported and _comparable(name, exported[name]) != _comparable(name, here.get(name, ""))]
+
+
+def version_message(exported: dict[str, str], problems: list[str], script: str) -> str:
+    pins = " ".join(f"{name}=={exported[name]}" for name in ("torch", "cloudpickle", "ddp_notebook")
+                    if any(line.split()[0] == name for line in problems))
+    advice = f"pip install {pins}" if pins else ""
+    if any(line.split()[0] == "python" for line in problems):
+        advice = (f"a Python {exported['python']} environment" + (f" with {pins}" if pins else "")).strip()
+    return (f"ddp_notebook: {script} was exported from a notebook whose versions differ from this environment "
+            f"({sys.executable}):\n" + "\n".join(problems) + "\n"
+            "The notebook's functions and classes travel as Python bytecode and its objects as pickles, which "
+            "do not move between Python versions, nor reliably between library versions.\n"
+            f"Run it with {advice}, or export it again from a notebook that matches this environment. "
+            f"(To try anyway: {SKIP_CHECK_ENV}=1.)")
+
+
+@dataclass
+class Exported:
+    """The files of an export, and how to run them."""
+
+    script: str
+    payload: str
+    manifest: str
+    arrays: str | None
+    run_dir: str | None  # None: beside the script, wherever it runs
+
+    def commands(self, nproc: Any = "N", master_addr: str = "HOST", port: Any = "PORT", nnodes: int = 2) -> str:
+        script = self.script
+        return "\n".join([
+            f"  one machine:        torchrun --nproc-per-node {nproc} {script}",
+            f"  node I of {nnodes}, static: torchrun --nnodes {nnodes} --node-rank I --nproc-per-node {nproc} "
+            f"--master-addr {master_addr} --master-port {port} {script}",
+            f"  {nnodes} nodes, c10d:      torchrun --nnodes {nnodes} --nproc-per-node {nproc} --rdzv-backend c10d "
+            f"--rdzv-endpoint {master_addr}:{port} --rdzv-id RUN {script}",
+        ])
+
+    def summary(self, nproc: Any = "N") -> str:
+        parts = [f"exported {self.script} (payload {_size(self.payload)}"
+                 + (f", arrays {_size(self.arrays)} memory-mapped by the ranks" if self.arrays else "") + ")"]
+        parts.append("run it with torchrun (from any directory, on hosts with the same versions):")
+        parts.append(self.commands(nproc))
+        where = self.run_dir or os.path.dirname(self.script)
+        parts.append(f"metrics go to {where}/metrics-node*.jsonl; watch them in a notebook with "
+                     f"ddp_notebook.follow({where!r})")
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def _size(path: str) -> str:
+    n = os.path.getsize(path)
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def paths(script: str) -> dict[str, str]:
+    """The files of the export whose script is ``script``, all beside it."""
+    stem = script[:-3] if script.endswith(".py") else script
+    return {"payload": stem + ".payload.pkl", "manifest": stem + ".manifest.json", "arrays": stem + ".arrays.bin"}
+
+
+class _ArrayFile(sharing.Store):
+    """The pickler's store for an export: big arrays are appended to one file beside the payload.
+
+    The references it makes name that file (by its base name), and the ranks map
+    it copy-on-write (:func:`map_arrays`); the notebook's own memory is never moved.
+    """
+
+    def __init__(self, path: str, name: str):
+        super().__init__()
+        self.path = path  # written here, then renamed to ``name`` beside the payload
+        self.name = name
+        self.size = 0
+        self._fd: int | None = None
+        # Sharing through /proc is not involved: only whether the notebook has big arrays at all.
+        self._enabled = self.min_bytes is not None and (self._torch is not None or self._np is not None)
+
+    def _move(self, addr: int, nbytes: int, owner: Any) -> None:
+        return None
+
+    def _copy(self, addr: int, nbytes: int) -> tuple:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        offset = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        sharing._pwrite_from(self._fd, addr, nbytes, offset)
+        self.size = offset + nbytes
+        self.bundle.stats["disk"] += nbytes
+        return (0, -1, _ARRAYS_REF, self.name), offset
+
+    def close(self) -> bool:
+        """True when something was written."""
+        if self._fd is None:
+            return False
+        os.close(self._fd)
+        self._fd = None
+        return True
+
+
+def map_arrays(path: str) -> None:
+    """Rank side, inside ``sharing.loading()``: the export's array file is what its references map."""
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # a rank's writes stay its own
+    sharing._mapped[(_ARRAYS_REF, os.path.basename(path))] = mm
+
+
+def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None = None,
+          timeout: float | None = None, backend: str | None = None, notebook: dict | None = None) -> Exported:
+    """Write the export of ``task`` (a CellTask or CallTask) with its script at ``path``.
+
+    ``notebook``: the channel of a notebook that runs node 0 of this job (address,
+    key, task id); its ranks and every other node's connect back to it.
+    """
+    script = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not script.endswith(".py"):
+        raise LaunchError(f"--export {path}: the export is a Python script; give a path ending in .py")
+    if os.path.isdir(script):
+        raise LaunchError(f"--export {path} is a directory")
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}")
+    directory = os.path.dirname(script)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"--export {path}: cannot create {directory}: {exc.strerror}") from None
+    files = paths(script)
+    label = task_label(task)
+    run_dir = os.path.abspath(os.path.expanduser(os.fspath(run_dir))) if run_dir is not None else None
+    tmp = f".tmp{os.getpid()}"
+    store = _ArrayFile(files["arrays"] + tmp, os.path.basename(files["arrays"]))
+    try:
+        try:
+            data = payload._dumps(task, store)
+        except Exception:
+            store.close()
+            payload.dumps(task, share=False)  # names the notebook object that cannot be pickled, if it is one
+            raise
+        has_arrays = store.close()
+        run = {"format": FORMAT, "task": data, "arrays": os.path.basename(files["arrays"]) if has_arrays else None,
+               "seed": seed, "timeout": timeout, "backend": backend, "notebook": notebook}
+        fd = os.open(files["payload"] + tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold a job key
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(run, f, protocol=4)
+        if has_arrays:
+            os.replace(files["arrays"] + tmp, files["arrays"])
+        elif os.path.exists(files["arrays"]):
+            os.unlink(files["arrays"])  # from an earlier export to this path
+        os.replace(files["payload"] + tmp, files["payload"])
+        manifest = {
+            "format": FORMAT, "versions": versions(), "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "payload": os.path.basename(files["payload"]), "run_dir": run_dir, "label": label,
+            "multi_node_notebook": notebook is not None,
+            # Where the notebook imports from: modules it uses by name are found there on a host that has them.
+            "sys_path": [p or os.getcwd() for p in sys.path],
+        }
+        with open(files["manifest"] + tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(files["manifest"] + tmp, files["manifest"])
+        with open(script + tmp, "w") as f:
+            f.write(_script_text(os.path.basename(files["manifest"]), label, manifest))
+        os.chmod(script + tmp, 0o755)
+        os.replace(script + tmp, script)
+    finally:
+        for leftover in (files["arrays"], files["payload"], files["manifest"], script):
+            if os.path.exists(leftover + tmp):
+                os.unlink(leftover + tmp)
+    return Exported(script, files["payload"], files["manifest"], files["arrays"] if has_arrays else None, run_dir)
+
+
+def export(fn_or_task: Callable | payload.CellTask | payload.CallTask, path: str, args: tuple = (),
+           kwargs: dict | None = None, *, run_dir: str | None = None, seed: int | None = None,
+           timeout: float | None = None, backend: str | None = None) -> Exported:
+    """Write ``fn(*args, **kwargs)`` as a script for torchrun (plus its payload, beside it); does not run it.
+
+    Under torchrun every rank calls the function with the process group ready and
+    ``ddp_notebook.rank_context()`` set, exactly as ``launch`` would; ``report()``
+    appends to ``metrics-node<I>.jsonl`` in ``run_dir`` (default: beside the
+    script), which :func:`ddp_notebook.follow` shows.  ``seed`` seeds every rank
+    before the call, ``timeout`` bounds each collective, ``backend`` overrides the
+    default (nccl with CUDA, else gloo).
+    """
+    from . import launcher
+
+    if isinstance(fn_or_task, (payload.CellTask, payload.CallTask)):
+        task = fn_or_task
+    elif callable(fn_or_task):
+        task = payload.CallTask(fn_or_task, tuple(args), dict(kwargs or {}), False, launcher._sources_for(fn_or_task))
+    else:
+        raise LaunchError(f"export takes a function (or a task), not {type(fn_or_task).__name__}")
+    launcher.check_options(None, seed, timeout)
+    return write(task, path, run_dir=run_dir, seed=seed, timeout=timeout, backend=backend)
+
+
+def task_label(task: Any) -> str:
+    """How the script's docstring names what it runs."""
+    if isinstance(task, payload.CellTask):
+        return f"the notebook cell {task.sources.labels.get(task.filename, '')}".rstrip()
+    return f"the function {getattr(task.fn, '__qualname__', repr(task.fn))}"
+
+
+_SCRIPT = '''#!/usr/bin/env python3
+"""Exported by ddp_notebook {version} on {date}: {label}.
+
+Run it with torchrun, from any directory, on hosts with the versions in
+{manifest} (Python {python}, torch {torch}, cloudpickle {cloudpickle}):
+
+    torchrun --nproc-per-node N {name}
+    torchrun --nnodes 2 --node-rank I --nproc-per-node N --master-addr HOST --master-port PORT {name}
+    torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN {name}
+
+Without torchrun it runs as a single process.  Option: --run-dir DIR, where
+report() writes metrics-node<I>.jsonl (default: {run_dir}).
+Keep the files named in {manifest} beside this script.
+"""
+import json
+import os
+import sys
+
+MANIFEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), {manifest!r})
+
+if __name__ == "__main__":
+    try:
+        from ddp_notebook import runner
+    except ImportError as exc:
+        with open(MANIFEST) as f:
+            exported = json.load(f)["versions"]
+        sys.exit(f"ddp_notebook: cannot import ddp_notebook in this Python ({{sys.executable}}, "
+                 f"{{sys.version.split()[0]}}): {{exc}}\\nThis script needs "
+                 + ", ".join(f"{{name}} {{version}}" for name, version in exported.items()))
+    sys.exit(runner.main(MANIFEST, sys.argv[1:]))
+'''
+
+
+def _script_text(manifest_name: str, label: str, manifest: dict) -> str:
+    found = manifest["versions"]
+    script_name = manifest_name[: -len(".manifest.json")] + ".py"
+    return _SCRIPT.format(
+        label=label, date=manifest["exported_at"],
+        version=found["ddp_notebook"], manifest=manifest_name, python=found["python"], torch=found["torch"],
+        cloudpickle=found["cloudpickle"], name=script_name,
+        run_dir=manifest["run_dir"] or "beside this script",
+    )

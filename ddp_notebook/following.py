@@ -1,0 +1,238 @@
+"""Show a job the notebook did not start: ``follow(run_dir)`` reads the metrics files of an exported script.
+
+Each node of a torchrun job writes ``metrics-node<I>.jsonl`` in the run
+directory (:mod:`ddp_notebook.runner`).  ``follow`` tails those files a few
+times a second and feeds their events to the same reduction and dashboard as a
+job's ranks feed them (:func:`ddp_notebook.dashboard.watch`), through a
+:class:`FollowedRun` that looks like a job to them: ``run.history``,
+``run.show()``, ``run.status``.  It ends when every node has written its end
+line, shortly after a failure (once the files are quiet), at ``timeout``, or
+when interrupted; the run itself goes on regardless.  Notebook side.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import dashboard
+from .errors import Failure, RankError, blame
+from .runner import METRICS_PREFIX, METRICS_SUFFIX
+
+POLL_S = 0.25
+QUIET_AFTER_FAILURE_S = 5.0  # a failed run's nodes may not write their end: the files' silence ends it
+_REPORT_KEYS = ("key", "x", "values", "total", "n", "sum", "epoch")
+
+Listener = Callable[[Any, str, int, dict], None]
+
+
+@dataclass
+class RunSpec:
+    world_size: int
+    nnodes: int
+
+
+class _Tail:
+    """The new whole lines of one file; starts over when the file is replaced (a new run)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = 0
+        self.inode: int | None = None
+
+    def read(self) -> list[bytes]:
+        try:
+            f = open(self.path, "rb")  # opened afresh each time: other hosts' writes show (close-to-open)
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self.inode or st.st_size < self.offset:
+                self.inode, self.offset = st.st_ino, 0
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return data[:end].splitlines()
+
+
+class FollowedRun:
+    """A torchrun job seen through its metrics files; what a Job is to the dashboard."""
+
+    def __init__(self, run_dir: str, callbacks: list | tuple = ()):
+        self.run_dir = run_dir
+        self.run_id: str | None = None
+        self.spec = RunSpec(0, 0)
+        self.history: list[dict] = []
+        self.callbacks = list(callbacks)
+        self.listeners: list[Listener] = []
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.nodes_started: set[int] = set()
+        self.nodes_ended: dict[int, bool] = {}  # node -> its ranks all finished without error
+        self.failures: dict[int, Failure] = {}
+        self._outcome: tuple[str, Any] | None = None
+        self._tails: dict[str, _Tail] = {}
+        self._last_line_at = time.monotonic()
+
+    # -- what the dashboard uses of a job ----------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def _emit(self, kind: str, rank: int, body: dict) -> None:
+        for listener in list(self.listeners):
+            listener(self, kind, rank, body)
+
+    def show(self) -> None:
+        """Draw the dashboard again from the history."""
+        dashboard.show(self)
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    @property
+    def status(self) -> str:
+        """'waiting' (no run yet), 'running' (still running when following stopped), 'done' or 'failed'."""
+        if self.run_id is None:
+            return "waiting"
+        if self.finished:
+            return "failed" if self.failures or not all(self.nodes_ended.values()) else "done"
+        return "failed" if self.failures else "running"
+
+    @property
+    def finished(self) -> bool:
+        """Every node of the run has written its end."""
+        return self.spec.nnodes > 0 and len(self.nodes_ended) >= self.spec.nnodes
+
+    @property
+    def error(self) -> RankError | None:
+        if not self.failures:
+            return None
+        failures = sorted(self.failures.values(), key=lambda f: f.rank)
+        return RankError(blame(failures), failures)
+
+    def __repr__(self) -> str:
+        where = f"{self.spec.world_size} ranks on {self.spec.nnodes} nodes" if self.run_id else "no run yet"
+        return f"<ddp_notebook run {self.run_id or ''} in {self.run_dir}, {where}: {self.status}>"
+
+    # -- reading -----------------------------------------------------------------------------
+    def poll(self) -> int:
+        """Read what the files gained; the number of this run's lines taken."""
+        pattern = os.path.join(glob.escape(self.run_dir), f"{METRICS_PREFIX}*{METRICS_SUFFIX}")
+        for path in sorted(glob.glob(pattern)):
+            self._tails.setdefault(path, _Tail(path))
+        records = []
+        for tail in self._tails.values():
+            for raw in tail.read():
+                try:
+                    records.append(json.loads(raw))
+                except ValueError:
+                    continue  # not a line of ours
+        if self.run_id is None:
+            starts = [r for r in records if r.get("event") == "start"]
+            if not starts:
+                return 0
+            newest = max(starts, key=lambda r: r["time"])
+            self.run_id = newest["run"]
+            self.spec = RunSpec(newest["world_size"], newest["nnodes"])
+            self.started_at = min(r["time"] for r in starts if r["run"] == self.run_id)
+            dashboard.watch(self)  # a history and a watcher, as every job gets
+        taken = 0
+        for record in records:
+            if record.get("run") == self.run_id:
+                self._take(record)
+                taken += 1
+        if taken:
+            self._last_line_at = time.monotonic()
+        return taken
+
+    def _take(self, record: dict) -> None:
+        event, rank = record.get("event"), record.get("rank", -1)
+        if event == "start":
+            self.nodes_started.add(record["node"])
+        elif event == "ready":
+            self._emit("ready", rank, {})
+        elif event == "metric":
+            self._emit("metric", rank, {"reports": [{k: record[k] for k in _REPORT_KEYS if k in record}]})
+        elif event == "progress":
+            self._emit("progress", rank, {"done": record["done"], "total": record["total"]})
+        elif event == "failed":
+            if rank not in self.failures:
+                self.failures[rank] = Failure(rank, record["etype"], record["message"], record["traceback"],
+                                              record["time"], record["kind"])
+            self._emit("failed", rank, record)
+        elif event == "exit":
+            if record.get("lost") and rank not in self.failures:
+                self.failures[rank] = Failure(rank, "RankDied", f"rank {rank} ended without reporting an error",
+                                              "", record["time"], "exit")
+            self._emit("exited", rank, {"code": None if record.get("lost") else 0})
+        elif event == "end":
+            self.nodes_ended[record["node"]] = bool(record["ok"])
+            self.ended_at = max(self.ended_at or 0.0, record["time"])
+
+    def quiet_for(self) -> float:
+        return time.monotonic() - self._last_line_at
+
+    def end(self, stopped: bool = False) -> None:
+        """Following is over: release what the reduction holds back and close the views."""
+        if self._outcome is not None or self.run_id is None:
+            return
+        ok = self.finished and not self.failures and all(self.nodes_ended.values())
+        if stopped and not self.finished:
+            self._outcome = ("error", KeyboardInterrupt())  # the dashboard says "stopped": following stopped
+        else:
+            self._outcome = ("ok", None) if ok else ("error", self.error or RuntimeError("a node did not end well"))
+        if self.ended_at is None or stopped and not self.finished:
+            self.ended_at = time.time()
+        self._emit("ended", -1, {"ok": ok})
+
+
+def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, callbacks: list | tuple = (),
+           poll: float = POLL_S) -> FollowedRun:
+    """Show the live dashboard of a job run from an exported script, from its run directory.
+
+    Reads the ``metrics-node*.jsonl`` files that the nodes write there (the
+    export's ``--run-dir``, default beside the script; on a shared filesystem,
+    or copied here) and reduces them over all ranks into ``run.history``, as for
+    a job the notebook started.  The newest run in the directory is shown.  With
+    ``wait`` it follows the run until every node has ended (or shortly after a
+    failure), at most ``timeout`` seconds, or until interrupted; without, it
+    shows what is there now.  ``callbacks`` get each reduced record.
+    """
+    run_dir = os.path.abspath(os.path.expanduser(os.fspath(run_dir)))
+    run = FollowedRun(run_dir, callbacks)
+    started = time.monotonic()
+    told_waiting = False
+    try:
+        while True:
+            run.poll()
+            if not wait:
+                break
+            if run.finished or run.failures and run.quiet_for() >= QUIET_AFTER_FAILURE_S:
+                break
+            if timeout is not None and time.monotonic() - started >= timeout:
+                break
+            if run.run_id is None and not told_waiting:
+                print(f"ddp_notebook: waiting for a run to write metrics in {run_dir}", file=sys.stderr)
+                told_waiting = True
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        run.end(stopped=True)
+        print(f"ddp_notebook: stopped following {run_dir}; the run goes on (follow it again to pick it up)",
+              file=sys.stderr)
+        return run
+    if run.run_id is None:
+        print(f"ddp_notebook: no run has written metrics in {run_dir} yet", file=sys.stderr)
+        return run
+    run.end(stopped=not run.finished and not run.failures)
+    if run.failures:
+        print(f"ddp_notebook: the run failed\n{run.error}", file=sys.stderr)
+    elif not run.finished:
+        print(f"ddp_notebook: the run is still going ({len(run.nodes_ended)} of {run.spec.nnodes} nodes ended); "
+              f"follow({run_dir!r}) again to see more", file=sys.stderr)
+    return run

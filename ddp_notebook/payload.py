@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from . import sharing
 from .errors import LaunchError
 
 RANK_NAMES = ("rank", "local_rank", "world_size", "device")
@@ -166,19 +167,41 @@ def _code_reduce_keeping_filename(code: types.CodeType):
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table)
 
+    def __init__(self, file, protocol=None, store: sharing.Store | None = None):
+        super().__init__(file, protocol=protocol)
+        self._store = store
 
-def _dumps(obj: Any) -> bytes:
+    def reducer_override(self, obj):
+        # Big tensors and arrays, wherever they sit, travel by shared memory (sharing.py).
+        if self._store is not None:
+            reduced = self._store.reduce(obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+
+class Payload(bytes):
+    """The pickled task; ``shared`` holds the shared buffers its big arrays live in until ``release``."""
+
+    shared: sharing.Bundle | None = None
+
+
+def _dumps(obj: Any, store: sharing.Store | None = None) -> bytes:
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL, store=store).dump(obj)
     return buffer.getvalue()
 
 
-def dumps(task: Any) -> bytes:
-    """Pickle the task once; if that fails, find and name the culprit."""
+def dumps(task: Any, share: bool = True) -> Payload:
+    """Pickle the task once (big arrays into shared memory); if that fails, find and name the culprit."""
+    store = sharing.Store() if share else None
     try:
-        return _dumps(task)
+        data = Payload(_dumps(task, store))
+        data.shared = store.bundle if store is not None else None
+        return data
     except Exception:
-        pass
+        if store is not None:
+            store.bundle.release()
     if isinstance(task, CellTask):
         parts = dict(task.names)
     elif isinstance(task, CallTask):
@@ -189,13 +212,20 @@ def dumps(task: Any) -> bytes:
         parts = {"the task": task}
     for name, value in parts.items():
         try:
-            _dumps(value)
+            _dumps(value, sharing.Store(dry=True))
         except Exception as exc:
             raise LaunchError(
                 f"cannot send {name!r} ({type(value).__name__}) to the ranks: {type(exc).__name__}: {exc}\n"
                 f"Create it inside the cell (or the function) instead, so each rank makes its own. No rank was started."
             ) from None
     raise LaunchError("cannot pickle what the ranks need; no rank was started")
+
+
+def release(data: Any) -> None:
+    """The job is over: let go of the shared buffers of its payload (ranks keep what they mapped)."""
+    bundle = getattr(data, "shared", None)
+    if bundle is not None:
+        bundle.release()
 
 
 def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
@@ -224,8 +254,12 @@ def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
 
 
 def write(task: Any, directory: str, name: str = "task.pkl") -> str:
-    """Write the task to an owner-only file in the job's private directory."""
-    data = task if isinstance(task, bytes) else dumps(task)
+    """Write the task to an owner-only file in the job's private directory.
+
+    Pass what ``dumps`` returned, and keep it until the job ends: its shared buffers live as long as it
+    does.  A task not dumped yet is pickled whole, big arrays included.
+    """
+    data = task if isinstance(task, bytes) else dumps(task, share=False)
     path = os.path.join(directory, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -234,5 +268,5 @@ def write(task: Any, directory: str, name: str = "task.pkl") -> str:
 
 
 def load(path: str) -> Any:
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, sharing.loading():
         return pickle.load(f)

@@ -1,0 +1,654 @@
+"""Large tensors and arrays reach the ranks through shared memory, not inside the payload.
+
+Notebook side: the payload's pickler asks a :class:`Store` about every object it
+meets.  A ``torch.Tensor`` or ``numpy.ndarray`` of at least
+``DDP_NOTEBOOK_SHARE_MIN_BYTES`` (1 MiB) becomes a small reference to a shared
+buffer, wherever it sits (a TensorDataset, a dict, a Dataset's attribute, a
+function argument, a model's parameters).  The buffer is written once per dump;
+tensors and views over one storage share one buffer.
+
+* Moved in place: when the data is a heap block of its own (glibc gives every
+  large allocation its own mapping), its pages are moved into a memfd, chunk by
+  chunk, and mapped back at the same address.  Every alias (views, ``.numpy()``)
+  keeps working, no second copy exists at any moment, and the next job shares
+  the same pages again without copying.  A fork of the notebook still gets a
+  copy-on-write snapshot (see ``_after_fork_in_child``).
+* Copied: anything else (views of a small part of a storage, pinned or GPU
+  tensors, arrays whose memory belongs to someone else) is copied into one
+  per-dump memfd, or, when the machine cannot spare the memory
+  (``DDP_NOTEBOOK_SHM_LIMIT`` bytes, default what MemAvailable and the cgroup
+  allow), into an unlinked file in the temp directory.
+
+Nothing is ever named in ``/dev/shm`` or on disk: memfds and unlinked files
+vanish with their last descriptor and mapping, so neither a finished job, an
+interrupt nor a SIGKILLed kernel leaves anything behind, and a small ``/dev/shm``
+(64 MB in many containers) is never involved.  Space is reserved with
+``fallocate`` before anything is mapped, so a full disk or memory limit is an
+error at dump time (the array is then pickled the ordinary way), never SIGBUS.
+
+Rank side: the ranks open the notebook's descriptor through
+``/proc/<notebook pid>/fd/<n>`` and map it ``MAP_PRIVATE``: pages are shared
+until a rank writes to them, a rank's writes stay its own, and the notebook's
+objects keep their values.  dtype, shape, strides, ``requires_grad`` and
+aliasing between tensors of one storage are kept; CUDA tensors travel through
+CPU memory and land on the rank's own GPU.
+
+``DDP_NOTEBOOK_SHARE_INPLACE=0`` copies instead of moving notebook memory;
+``DDP_NOTEBOOK_SHARE_MIN_BYTES=off`` pickles everything the ordinary way.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
+from contextlib import contextmanager
+from typing import Any
+
+DEFAULT_MIN_BYTES = 1 << 20
+_PAGE = mmap.PAGESIZE
+_CHUNK = 64 << 20  # moved and reserved per step: the most held twice at any moment
+_DISK_MARGIN = 256 << 20
+_ALIGN = 4096  # of copies inside a shared file
+_MAP_FIXED = 0x10
+_FOREIGN_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard", "snmalloc")
+
+
+def min_bytes() -> int | None:
+    """Arrays of at least this many bytes are shared; None: sharing is off."""
+    text = os.environ.get("DDP_NOTEBOOK_SHARE_MIN_BYTES", "").strip().lower()
+    if not text:
+        return DEFAULT_MIN_BYTES
+    if text in ("off", "none", "inf", "never"):
+        return None
+    return max(1, int(float(text)))
+
+
+def _proc_fds_usable() -> bool:
+    return os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
+# -- what the notebook process holds -------------------------------------------------------------
+
+
+class Bundle:
+    """The shared files of one payload: descriptors the ranks open, closed by ``release()``."""
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+        self.stats = {"moved": 0, "memory": 0, "disk": 0, "inline": 0, "arrays": 0}  # bytes, and a count
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        return tuple(self._fds)
+
+    def _adopt(self, fd: int) -> None:
+        self._fds.append(fd)
+
+    def release(self) -> None:
+        """Close this payload's descriptors (idempotent); ranks that mapped the data keep their mappings."""
+        self._finalizer()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
+class _Moved:
+    """A notebook allocation whose pages now live in a memfd mapped back over it (MAP_SHARED)."""
+
+    def __init__(self, fd: int, addr: int, nbytes: int, base: int, lo: int, hi: int):
+        self.fd, self.addr, self.nbytes = fd, addr, nbytes
+        self.base, self.lo, self.hi = base, lo, hi  # file offset 0 is address `base`; [lo, hi) is mapped
+        st = os.fstat(fd)
+        self.dev, self.ino = st.st_dev, st.st_ino
+        self.complete = False
+        self.owner: Any = None  # weakref to the object whose life bounds the allocation's
+
+    @property
+    def head(self) -> int:
+        return self.addr - self.base
+
+
+_moved: dict[int, _Moved] = {}  # allocation address -> its memfd
+_moved_lock = threading.Lock()
+
+
+def _forget(addr: int, rec: _Moved) -> None:
+    """The owner is gone, and with it the allocation: let the memfd go too."""
+    with _moved_lock:
+        if _moved.get(addr) is rec:
+            del _moved[addr]
+            try:
+                os.close(rec.fd)
+            except OSError:
+                pass
+
+
+def _after_fork_in_child() -> None:
+    # The notebook maps moved pages MAP_SHARED; a forked child (a DataLoader worker
+    # in the notebook, a fork-based launcher) expects copy-on-write pages of its own.
+    if not _moved:
+        return
+    lib = _libc()
+    for rec in list(_moved.values()):
+        if rec.hi > rec.lo:
+            lib.mmap(rec.lo, rec.hi - rec.lo, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED,
+                     rec.fd, rec.lo - rec.base)
+        try:
+            os.close(rec.fd)
+        except OSError:
+            pass
+    _moved.clear()  # the child's pages are its own now: it shares them again by copying
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_lib = None
+
+
+def _libc():
+    """libc through PyDLL: the GIL stays held, so no Python thread sees a region half moved."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.PyDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_long]
+        lib.pwrite.restype = ctypes.c_ssize_t
+        lib.pwrite.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+        _lib = lib
+    return _lib
+
+
+def _pwrite_from(fd: int, addr: int, nbytes: int, offset: int) -> None:
+    lib = _libc()
+    while nbytes > 0:
+        done = lib.pwrite(fd, addr, min(nbytes, 1 << 30), offset)
+        if done <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        addr, nbytes, offset = addr + done, nbytes - done, offset + done
+
+
+def _can_move() -> bool:
+    return (os.environ.get("DDP_NOTEBOOK_SHARE_INPLACE", "1").strip() not in ("0", "false", "no", "off")
+            and sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
+            and hasattr(os, "memfd_create") and ctypes.sizeof(ctypes.c_void_p) == 8
+            and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"))
+
+
+class _Maps:
+    """This process's memory mappings (/proc/self/maps)."""
+
+    def __init__(self) -> None:
+        self.vmas = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                path = parts[5].strip() if len(parts) > 5 else ""
+                self.vmas.append((start, end, parts[1], int(parts[4]), path))
+        self.foreign_allocator = any(name in v[4] for v in self.vmas for name in _FOREIGN_ALLOCATORS)
+
+    def covered(self, lo: int, hi: int, accept) -> bool:
+        """Is [lo, hi) mapped without a gap, by mappings that all pass ``accept``?"""
+        at = lo
+        for start, end, perms, inode, path in self.vmas:
+            if end <= at:
+                continue
+            if start > at or not accept(perms, inode, path):
+                return False
+            at = end
+            if at >= hi:
+                return True
+        return False
+
+
+def _private_anonymous(perms: str, inode: int, path: str) -> bool:
+    return perms.startswith("rw") and perms.endswith("p") and inode == 0 and (not path or path.startswith("[anon:"))
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+def _own_mapping(maps: _Maps, addr: int, nbytes: int) -> bool:
+    """Is [addr, addr + nbytes) a glibc heap block with a mapping of its own?
+
+    Such a block is unmapped by free(), so pages moved into a memfd go when it
+    goes.  Blocks inside the heap proper are left alone (they are copied).
+    """
+    if nbytes < 2 * _PAGE or addr % 16 or maps.foreign_allocator:
+        return False
+    if len(maps.vmas) + 64 > _max_map_count():
+        return False
+    if not maps.covered(addr - 16, addr + nbytes, _private_anonymous):
+        return False
+    size_field = ctypes.c_size_t.from_address(addr - 8).value
+    prev_size = ctypes.c_size_t.from_address(addr - 16).value
+    if not size_field & 2:  # IS_MMAPPED
+        return False
+    block, total = addr - 16 - prev_size, (size_field & ~7) + prev_size
+    if block % _PAGE or total % _PAGE or prev_size > (1 << 20) or block + total < addr + nbytes:
+        return False
+    return maps.covered(block, block + total, _private_anonymous)
+
+
+def _move_in_place(addr: int, nbytes: int, owner: Any) -> _Moved | None:
+    """Move the pages of [addr, addr + nbytes) into a new memfd mapped at the same address.
+
+    Chunk by chunk: reserve (fallocate), copy, map the file over the chunk, which
+    frees the chunk's anonymous pages.  The partial pages at both ends stay the
+    notebook's; the file holds a copy of them for the ranks.
+    """
+    try:
+        owner_ref = weakref.ref(owner)
+    except TypeError:
+        return None
+    base = addr & ~(_PAGE - 1)
+    end = (addr + nbytes + _PAGE - 1) & ~(_PAGE - 1)
+    lo = (addr + _PAGE - 1) & ~(_PAGE - 1)
+    hi = (addr + nbytes) & ~(_PAGE - 1)
+    lib = _libc()
+    try:
+        fd = os.memfd_create("ddp_notebook", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    rec = _Moved(fd, addr, nbytes, base, lo, lo)
+    try:
+        os.ftruncate(fd, end - base)
+        if lo > addr:
+            os.posix_fallocate(fd, 0, lo - base)
+            _pwrite_from(fd, addr, lo - addr, addr - base)
+        if addr + nbytes > hi:
+            os.posix_fallocate(fd, hi - base, end - hi)
+            _pwrite_from(fd, hi, addr + nbytes - hi, hi - base)
+        at = lo
+        while at < hi:
+            step = min(_CHUNK, hi - at)
+            os.posix_fallocate(fd, at - base, step)
+            _pwrite_from(fd, at, step, at - base)
+            if lib.mmap(at, step, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd,
+                        at - base) != at:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            at += step
+            rec.hi = at
+        rec.complete = True
+    except OSError:
+        if rec.hi == lo:
+            os.close(fd)
+            return None
+        # Part of the block already lives in the memfd (values intact); keep it
+        # registered so forks still get their own copy, but share it by copying.
+    rec.owner = owner_ref
+    _moved[addr] = rec
+    weakref.finalize(owner, _forget, addr, rec)
+    return rec
+
+
+def _spare_memory() -> int:
+    """Bytes of RAM a job may take for copies without crowding the machine (or its cgroup)."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    spare = info.get("MemAvailable", info.get("MemFree", 0))
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2
+                limit_file, usage_file = f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"
+            elif "memory" in controllers.split(","):
+                limit_file = f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"
+                usage_file = f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"
+            else:
+                continue
+            try:
+                with open(limit_file) as f:
+                    limit = f.read().strip()
+                with open(usage_file) as f:
+                    usage = int(f.read())
+            except OSError:
+                continue
+            if limit.isdigit() and int(limit) < (1 << 60):
+                spare = min(spare, int(limit) - usage)
+    except (OSError, ValueError):
+        pass
+    reserve = max(512 << 20, info.get("MemTotal", 0) // 10)
+    return max(0, spare - reserve)
+
+
+class _Arena:
+    """One shared file that copies are appended to, page-aligned."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        if kind == "memory":
+            self.fd = os.memfd_create("ddp_notebook-copies", os.MFD_CLOEXEC)
+        else:
+            with tempfile.TemporaryFile(prefix="ddp_notebook-") as f:  # unlinked from the start
+                self.fd = os.dup(f.fileno())
+        st = os.fstat(self.fd)
+        self.dev, self.ino = st.st_dev, st.st_ino
+        self.size = 0
+
+    def append(self, addr: int, nbytes: int) -> int:
+        offset = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self.kind == "disk":
+            st = os.statvfs(tempfile.gettempdir())
+            if st.f_bavail * st.f_frsize < nbytes + _DISK_MARGIN:
+                raise OSError(28, f"not enough free space in {tempfile.gettempdir()}")
+        os.ftruncate(self.fd, offset + nbytes)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self.fd, offset, nbytes)
+            _pwrite_from(self.fd, addr, nbytes, offset)
+        except OSError:
+            os.ftruncate(self.fd, self.size)
+            raise
+        self.size = offset + nbytes
+        return offset
+
+
+class Store:
+    """Consulted by the payload's pickler: big arrays become references to shared buffers.
+
+    ``dry=True`` only tells what would be shared (for naming an unpicklable part): nothing is written.
+    """
+
+    def __init__(self, dry: bool = False):
+        self.dry = dry
+        self.bundle = Bundle()
+        self.min_bytes = min_bytes()
+        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # never imported for this
+        self._torch = torch
+        self._np = np
+        self._tensor_type = getattr(torch, "Tensor", None)
+        self._array_types = (np.ndarray, np.memmap) if np is not None else ()
+        self._enabled = self.min_bytes is not None and (dry or _proc_fds_usable()) \
+            and (torch is not None or np is not None)
+        self._placed: dict[tuple[int, int], tuple | None] = {}
+        self._arenas: dict[str, _Arena] = {}
+        self._budget: int | None = None
+        self._maps: _Maps | None = None
+        self._pid = os.getpid()
+
+    # -- the pickler's hook ------------------------------------------------------------------
+    def reduce(self, obj: Any):
+        """A reduce tuple for a big tensor or array; None for anything else (pickled as usual)."""
+        if not self._enabled:
+            return None
+        kind = type(obj)
+        if kind is self._tensor_type:
+            return self._reduce_tensor(obj)
+        if kind in self._array_types:
+            return self._reduce_array(obj)
+        return None
+
+    def _reduce_tensor(self, t):
+        torch = self._torch
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+            return None
+        if t.__dict__:  # Python attributes on the tensor: torch's own pickling keeps them
+            return None
+        if t.numel() * t.element_size() < self.min_bytes:
+            if t.device.type == "cpu" and t.untyped_storage().nbytes() >= self.min_bytes:
+                storage = t.untyped_storage()
+                placed = self._placed.get((storage.data_ptr(), storage.nbytes()))
+                if placed is not None and not (t.is_conj() or t.is_neg()):  # a view of a storage shared already
+                    return _rebuild_tensor, (*placed, storage.nbytes(), t.dtype, t.storage_offset(), tuple(t.size()),
+                                             tuple(t.stride()), bool(t.requires_grad), "cpu")
+                # torch would pickle the whole big storage under this small view: send a copy of the view
+                return _same, (t.detach().clone().requires_grad_(t.requires_grad),)
+            return None
+        device_type = t.device.type
+        src = t.detach()
+        own = True  # src still uses the notebook tensor's storage
+        if device_type != "cpu":
+            src, own = src.to("cpu"), False
+        if src.is_conj():
+            src, own = src.resolve_conj(), False
+        if src.is_neg():
+            src, own = src.resolve_neg(), False
+        storage = src.untyped_storage()
+        nbytes = src.numel() * src.element_size()
+        if own and 2 * nbytes >= storage.nbytes():
+            # The whole storage: aliasing between tensors of one storage survives.
+            # (A storage exported with .numpy() is no longer resizable; moving keeps such aliases valid.)
+            movable = not storage.is_shared() and not src.is_pinned()
+            region = (storage.data_ptr(), storage.nbytes())
+            owner = storage if movable else None
+            layout = (src.storage_offset(), tuple(src.size()), tuple(src.stride()))
+        elif own and (storage.data_ptr(), storage.nbytes()) in self._placed:
+            # A view of a storage this payload shares already: keep the aliasing.
+            region, owner = (storage.data_ptr(), storage.nbytes()), None
+            layout = (src.storage_offset(), tuple(src.size()), tuple(src.stride()))
+        else:
+            # A small view of a big storage, or a temporary copy: its own elements only.
+            if not src.is_contiguous():
+                src = src.contiguous()
+            region, owner = (src.data_ptr(), nbytes), None
+            layout = (0, tuple(src.size()), tuple(src.stride()))
+        if region[1] < self.min_bytes:
+            return None
+        placed = self._place(region[0], region[1], owner)
+        if placed is None:
+            return None
+        ref, offset = placed
+        return _rebuild_tensor, (ref, offset, region[1], t.dtype, *layout, bool(t.requires_grad), device_type)
+
+    def _reduce_array(self, a):
+        np = self._np
+        if a.dtype.hasobject or a.nbytes < self.min_bytes:
+            return None
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        whole = (root.flags.c_contiguous or root.flags.f_contiguous) and 2 * a.nbytes >= root.nbytes
+        if whole:
+            owner = root if _numpy_default_allocator(np, root) else None
+            base_addr = root.ctypes.data
+            region = (base_addr, root.nbytes)
+            offset_in, strides, src = a.ctypes.data - base_addr, a.strides, root
+        else:
+            src = a if (a.flags.c_contiguous or a.flags.f_contiguous) else np.ascontiguousarray(a)
+            region, owner, offset_in, strides = (src.ctypes.data, src.nbytes), None, 0, src.strides
+        placed = self._place(region[0], region[1], owner)
+        if placed is None:
+            return None
+        ref, offset = placed
+        return _rebuild_array, (ref, offset + offset_in, a.dtype, a.shape, strides, bool(a.flags.writeable))
+
+    # -- placing bytes -----------------------------------------------------------------------
+    def _place(self, addr: int, nbytes: int, owner: Any) -> tuple | None:
+        key = (addr, nbytes)
+        if key in self._placed:
+            return self._placed[key]
+        if self.dry:
+            placed = ((0, -1, 0, 0), 0)
+        else:
+            placed = self._move(addr, nbytes, owner) if owner is not None else None
+            if placed is None:
+                placed = self._copy(addr, nbytes)
+            if placed is None:
+                self.bundle.stats["inline"] += nbytes
+            else:
+                self.bundle.stats["arrays"] += 1
+        self._placed[key] = placed
+        return placed
+
+    def _move(self, addr: int, nbytes: int, owner: Any) -> tuple | None:
+        if not _can_move():
+            return None
+        with _moved_lock:
+            rec = _moved.get(addr)
+            if rec is not None and not self._still_moved(rec, nbytes, owner):
+                del _moved[addr]
+                os.close(rec.fd)
+                rec = None
+            if rec is None:
+                if self._maps is None:
+                    self._maps = _Maps()
+                if not _own_mapping(self._maps, addr, nbytes):
+                    return None
+                rec = _move_in_place(addr, nbytes, owner)
+                self._maps = None  # the mappings changed
+                if rec is None:
+                    return None
+            if not rec.complete:
+                return None
+            # The partial pages at both ends stayed the notebook's own: bring the file's copy up to date.
+            _pwrite_from(rec.fd, addr, rec.lo - addr, rec.head)
+            _pwrite_from(rec.fd, rec.hi, addr + nbytes - rec.hi, rec.hi - rec.base)
+            fd = os.dup(rec.fd)  # this job's own descriptor: the owner may die while ranks start
+        self.bundle._adopt(fd)
+        self.bundle.stats["moved"] += nbytes
+        return (self._pid, fd, rec.dev, rec.ino), rec.head
+
+    def _still_moved(self, rec: _Moved, nbytes: int, owner: Any) -> bool:
+        if rec.nbytes != nbytes or rec.owner is None or rec.owner() is not owner:
+            return False
+        maps = _Maps()
+        return maps.covered(rec.lo, rec.hi, lambda perms, inode, path: inode == rec.ino and "s" in perms)
+
+    def _copy(self, addr: int, nbytes: int) -> tuple | None:
+        kinds = []
+        if hasattr(os, "memfd_create"):
+            if self._budget is None:
+                limit = os.environ.get("DDP_NOTEBOOK_SHM_LIMIT", "").strip()
+                self._budget = int(float(limit)) if limit else _spare_memory()
+            if self.bundle.stats["memory"] + nbytes <= self._budget:
+                kinds.append("memory")
+        kinds.append("disk")
+        for kind in kinds:
+            try:
+                arena = self._arenas.get(kind)
+                if arena is None:
+                    arena = self._arenas[kind] = _Arena(kind)
+                    self.bundle._adopt(arena.fd)
+                offset = arena.append(addr, nbytes)
+            except OSError:
+                continue
+            self.bundle.stats[kind] += nbytes
+            return (self._pid, arena.fd, arena.dev, arena.ino), offset
+        warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB (memory limit and "
+                      f"{tempfile.gettempdir()} both full); it is pickled into the payload instead", stacklevel=2)
+        return None
+
+
+def _numpy_default_allocator(np, root) -> bool:
+    """May this array's memory be moved? Not when a custom numpy allocator owns it.
+
+    Memory of another object (a tensor, a buffer) may: whether it is a heap
+    block of its own is checked before moving, and the ndarray keeps it alive.
+    """
+    if not root.flags.owndata:
+        return True
+    core = getattr(np, "_core", None) or getattr(np, "core", None)
+    get_handler = getattr(getattr(core, "multiarray", None), "get_handler_name", None)
+    if get_handler is None:
+        return True  # numpy before 1.22: always malloc
+    try:
+        return get_handler(root) == "default_allocator"
+    except Exception:
+        return False
+
+
+# -- rank side -------------------------------------------------------------------------------------
+
+_mapped: dict[tuple[int, int], mmap.mmap] = {}
+_storages: dict[tuple, Any] = {}
+
+
+@contextmanager
+def loading():
+    """One payload load: buffers mapped once, tensors of one storage rebuilt on one storage."""
+    try:
+        yield
+    finally:
+        _mapped.clear()
+        _storages.clear()
+
+
+def _map(ref: tuple) -> mmap.mmap:
+    pid, fd, dev, ino = ref
+    mm = _mapped.get((dev, ino))
+    if mm is not None:
+        return mm
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise RuntimeError(f"cannot open the notebook's shared data ({path}: {exc.strerror}); the job has "
+                           f"ended, or this system hides other processes' descriptors. Setting "
+                           f"DDP_NOTEBOOK_SHARE_MIN_BYTES=off sends big arrays inside the payload instead") from None
+    try:
+        st = os.fstat(handle)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise RuntimeError(f"{path} is no longer the notebook's shared data (the job has ended)")
+        mm = mmap.mmap(handle, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE: writes stay this rank's
+    finally:
+        os.close(handle)
+    _mapped[(dev, ino)] = mm
+    return mm
+
+
+def _same(value):
+    return value
+
+
+def _rebuild_tensor(ref, offset, nbytes, dtype, storage_offset, size, stride, requires_grad, device_type):
+    import torch
+
+    key = (ref[2], ref[3], offset, nbytes)
+    storage = _storages.get(key)
+    if storage is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about non-writable buffers; ours is writable
+            storage = torch.frombuffer(_map(ref), dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+        _storages[key] = storage
+    t = torch.empty((0,), dtype=dtype)
+    t.set_(storage, storage_offset, size, stride)
+    if device_type == "cuda":
+        from .context import current
+
+        ctx = current()
+        device = getattr(ctx, "device", None)
+        if device is not None and getattr(device, "type", None) == "cuda":
+            t = t.to(device)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _rebuild_array(ref, offset, dtype, shape, strides, writeable):
+    import numpy as np
+
+    a = np.ndarray(shape, dtype=dtype, buffer=_map(ref), offset=offset, strides=strides)
+    if not writeable:
+        a.flags.writeable = False
+    return a

@@ -1,0 +1,279 @@
+"""Big tensors and arrays reach the ranks through shared memory, mapped copy-on-write, and nothing is left behind."""
+import gc
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+import ddp_notebook
+from ddp_notebook import launcher, payload, sharing
+
+pytestmark = pytest.mark.timeout(60)
+
+MIB = 1 << 20
+
+
+def _checksum(x):
+    """The exact bytes (by hash), shape, dtype, strides and requires_grad of a tensor or array."""
+    import hashlib
+
+    t = torch.as_tensor(x).detach()
+    digest = hashlib.sha1(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    strides = tuple(x.strides) if isinstance(x, np.ndarray) else tuple(t.stride())
+    return digest, tuple(t.shape), str(t.dtype), strides, bool(getattr(x, "requires_grad", False))
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """What the notebook wrote for each job: (payload file size, sharing stats)."""
+    records = []
+    write = payload.write
+
+    def recording_write(task, directory, name="task.pkl"):
+        path = write(task, directory, name)
+        records.append((os.path.getsize(path), dict(task.shared.stats)))
+        return path
+
+    monkeypatch.setattr(payload, "write", recording_write)
+    return records
+
+
+def _shm_and_tmp():
+    return set(os.listdir("/dev/shm")), set(os.listdir(tempfile.gettempdir()))
+
+
+def _fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _everywhere(ds, table, custom):
+    import torch.distributed as dist
+
+    found = {
+        "features": _checksum(ds.tensors[0]), "labels": _checksum(ds.tensors[1]),
+        "table": {k: _checksum(v) for k, v in table.items()}, "custom": _checksum(custom.images),
+        "custom_item": float(custom[3]),
+        "aliased": table["rows"].untyped_storage().data_ptr() == ds.tensors[0].untyped_storage().data_ptr(),
+    }
+    dist.barrier()
+    return found
+
+
+def test_big_arrays_anywhere_reach_every_rank_without_riding_in_the_payload(no_leftovers, sent):
+    class Images(Dataset):  # defined here: travels by value, like a notebook class
+        def __init__(self, images):
+            self.images = images
+
+        def __len__(self):
+            return len(self.images)
+
+        def __getitem__(self, i):
+            return self.images[i].sum()
+
+    # 40 MiB: above glibc's largest mmap threshold (32 MiB), a block of its own that is moved, never copied
+    features = torch.randn(10240, 1024)
+    ds = TensorDataset(features, torch.arange(10240))
+    weights = torch.randn(600, 1000, dtype=torch.float64, requires_grad=True)  # 4.6 MiB, a leaf needing grad
+    table = {
+        "weights": weights, "fortran": np.asfortranarray(np.random.rand(512, 1024)),  # strides kept
+        "every_other": np.random.rand(1024, 1024)[:, ::2],  # a strided view of a bigger array
+        "halves": torch.randn(1024, 2048, dtype=torch.float16).t(),  # transposed half precision
+        "rows": features[5000:],  # a view of a storage already sent: aliasing kept
+    }
+    custom = Images(np.random.rand(256, 1024).astype(np.float32) + 1)  # 1 MiB, a Dataset attribute
+    expected = {
+        "features": _checksum(features), "labels": _checksum(ds.tensors[1]),
+        "table": {k: _checksum(v) for k, v in table.items()}, "custom": _checksum(custom.images),
+        "custom_item": float(custom[3]), "aliased": True,
+    }
+    out = ddp_notebook.launch(_everywhere, (ds, table, custom), cpus=2)
+    assert out == [expected, expected]
+    size, stats = sent[0]
+    assert size < 256 * 1024, "the big arrays rode inside the payload"
+    assert stats["inline"] == 0 and stats["arrays"] >= 5
+    assert stats["moved"] >= 40 * MIB  # the dataset's own storage moved, not copied
+
+
+def _scribble(ds, arr):
+    import torch.distributed as dist
+
+    x = ds.tensors[0]
+    if dist.get_rank() == 0:
+        x.fill_(-1.0)
+        arr[:] = -1.0
+    dist.barrier()
+    seen = (float(x[:, :4].sum()), float(arr[:4].sum()))
+    dist.barrier()
+    return seen
+
+
+def test_a_rank_writing_changes_neither_the_notebook_nor_another_rank(no_leftovers, sent):
+    x = torch.ones(1024, 1024)
+    arr = np.full(MIB // 4, 2.0, dtype=np.float32)
+    out = ddp_notebook.launch(_scribble, (TensorDataset(x), arr), cpus=2)
+    assert out[0] == (-4096.0, -4.0)  # rank 0 sees its own writes
+    assert out[1] == (4096.0, 8.0)  # rank 1 does not
+    assert float(x.sum()) == 1024 * 1024 and float(arr.sum()) == 2.0 * (MIB // 4)
+    assert sent[0][1]["inline"] == 0
+
+
+def _where_mapped(arr):
+    with open("/proc/self/maps") as f:
+        lines = [line for line in f if "ddp_notebook" in line or "(deleted)" in line]
+    return float(arr.sum()), [line.split(None, 5)[-1].strip() for line in lines]
+
+
+def test_without_room_in_memory_a_deleted_file_on_disk_is_used(no_leftovers, sent, monkeypatch):
+    monkeypatch.setenv("DDP_NOTEBOOK_SHM_LIMIT", "0")  # shared memory "too small": nothing fits
+    monkeypatch.setenv("DDP_NOTEBOOK_SHARE_INPLACE", "0")
+    before = _shm_and_tmp()
+    arr = np.random.rand(3 * MIB // 8)
+    out = ddp_notebook.launch(_where_mapped, (arr,), cpus=2)
+    stats = sent[0][1]
+    assert stats["disk"] == arr.nbytes and stats["memory"] == stats["moved"] == stats["inline"] == 0
+    for total, paths in out:
+        assert total == pytest.approx(float(arr.sum()))
+        assert any(p.startswith(tempfile.gettempdir()) and p.endswith("(deleted)") for p in paths), paths
+    assert _shm_and_tmp() == before
+
+
+def test_when_the_disk_is_full_too_the_array_rides_in_the_payload(monkeypatch):
+    monkeypatch.setenv("DDP_NOTEBOOK_SHM_LIMIT", "0")
+    monkeypatch.setenv("DDP_NOTEBOOK_SHARE_INPLACE", "0")
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(sharing.os, "statvfs", lambda path: Full())
+    arr = np.random.rand(MIB // 4)
+    with pytest.warns(UserWarning, match="pickled into the payload"):
+        data = payload.dumps(arr)
+    assert len(data) > arr.nbytes and data.shared.stats["inline"] == arr.nbytes
+    data.shared.release()
+
+
+def _fails(ds):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+
+def _forever(ds):
+    import ddp_notebook.context
+
+    ddp_notebook.context.send("sharing-test-alive", {})
+    while True:
+        time.sleep(0.1)
+
+
+def test_nothing_is_left_after_success_failure_and_interrupt(no_leftovers, monkeypatch):
+    # Copies (a view) and moved storages both; the moved one again with its own memfd each run.
+    before_files, before_fds = _shm_and_tmp(), _fds()
+    data = torch.randn(10240, 1024)
+    ds = TensorDataset(data, torch.randn(20480, 128)[::2])
+    assert ddp_notebook.launch(len, (ds,), cpus=2) == [10240, 10240]
+    with pytest.raises(ddp_notebook.RankError, match="rank one is broken"):
+        ddp_notebook.launch(_fails, (ds,), cpus=2)
+    job = launcher.Job(launcher.resolve_devices(cpus=2), payload.dumps(payload.CallTask(
+        _forever, (ds,), {}, False, payload.Sources()))).start().run_in_background()
+    seen = []
+    job.add_listener(lambda job, kind, rank, body: seen.append(kind))
+    deadline = time.time() + 30
+    while seen.count("sharing-test-alive") < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert seen.count("sharing-test-alive") == 2
+    job.stop()
+    assert _shm_and_tmp() == before_files
+    del ds, data, job
+    gc.collect()
+    assert _fds() == before_fds  # every memfd and deleted file closed: their memory is gone
+    with open("/proc/self/maps") as f:
+        assert "memfd:ddp_notebook" not in f.read()
+
+
+# -- in the notebook process ---------------------------------------------------------------------
+
+
+def test_moving_in_place_keeps_aliases_and_the_next_job_shares_without_copying():
+    x = torch.randn(40 * MIB // 4)
+    alias = x.numpy()  # numpy's view of the same memory must stay valid
+    expected = x.clone()
+    first = payload.dumps(x)
+    assert first.shared.stats["moved"] == x.nbytes
+    with open("/proc/self/maps") as f:
+        assert "memfd:ddp_notebook" in f.read()
+    assert torch.equal(x, expected)
+    alias[7] = 42.0
+    assert x[7] == 42.0
+    started = time.perf_counter()
+    second = payload.dumps(x)
+    assert time.perf_counter() - started < 0.05 and second.shared.stats["moved"] == x.nbytes
+    first.shared.release()
+    path = os.path.join(tempfile.gettempdir(), f"sharing-{os.getpid()}.pkl")
+    with open(path, "wb") as f:
+        f.write(second)
+    try:
+        loaded = payload.load(path)
+    finally:
+        os.unlink(path)
+    assert loaded[7] == 42.0 and torch.equal(loaded, x)
+    loaded[0] = -5.0  # a private page of its own
+    assert x[0] == expected[0]
+    second.shared.release()
+    del x, alias, loaded
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        assert "memfd:ddp_notebook" not in f.read()
+
+
+def test_a_fork_of_the_notebook_gets_copy_on_write_pages_as_before():
+    x = torch.zeros(40 * MIB // 4)
+    data = payload.dumps(x)
+    assert data.shared.stats["moved"] == x.nbytes
+    pid = os.fork()
+    if pid == 0:  # (numpy, not torch: OpenMP's thread pool does not survive a fork)
+        view = x.numpy()
+        view.fill(7.0)
+        os._exit(0 if view[100] == 7.0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert float(x.abs().sum()) == 0.0
+    data.shared.release()
+
+
+def test_dtypes_layouts_and_flags_round_trip(tmp_path):
+    params = torch.nn.Linear(1024, 512)
+    items = {
+        "bool": torch.rand(2 * MIB) > 0.5, "complex": torch.randn(256, 1024, dtype=torch.complex64),
+        "conj": torch.randn(256, 1024, dtype=torch.complex64).conj(), "bf16": torch.randn(1024, 1024).bfloat16(),
+        "expanded": torch.randn(1, 1024).expand(1024, 1024), "param": params.weight,
+        "readonly": np.frombuffer(np.random.rand(MIB // 4).tobytes(), dtype=np.float64),
+        "structured": np.zeros(MIB // 8, dtype=[("a", "i4"), ("b", "f4")]), "small": np.ones(10),
+        "objects": np.array([object()] * (MIB // 8)),
+    }
+    data = payload.dumps(items)
+    path = tmp_path / "p.pkl"
+    path.write_bytes(data)
+    back = payload.load(str(path))
+    for key in ("bool", "complex", "conj", "bf16", "expanded"):
+        assert back[key].dtype == items[key].dtype and back[key].stride() == items[key].stride(), key
+        assert torch.equal(back[key], items[key]), key
+    assert isinstance(back["param"], torch.nn.Parameter) and back["param"].requires_grad
+    assert torch.equal(back["param"], params.weight)
+    assert not back["readonly"].flags.writeable and np.array_equal(back["readonly"], items["readonly"])
+    assert back["structured"].dtype == items["structured"].dtype and len(back["objects"]) == MIB // 8
+    assert len(data) < MIB  # only the object array and the small one are inside
+    data.shared.release()
+
+
+def test_sharing_off_pickles_everything_as_before(monkeypatch):
+    monkeypatch.setenv("DDP_NOTEBOOK_SHARE_MIN_BYTES", "off")
+    x = torch.randn(MIB // 2)
+    data = payload.dumps(x)
+    assert len(data) > x.nbytes and data.shared.stats["arrays"] == 0

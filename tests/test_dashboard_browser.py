@@ -76,3 +76,17 @@ def test_quickstart_shows_a_live_widget_dashboard(tmp_path):
         wait_idle(page, 60)
         path = screenshot(training_cell.locator(".jp-OutputArea"), "dashboard_final.png")
         assert os.path.getsize(path) > 10_000
+
+
+@pytest.mark.timeout(10)
+def test_a_missing_browser_skips_with_how_to_enable_and_fails_under_ci(monkeypatch):
+    import browser_support
+
+    monkeypatch.setattr(browser_support, "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="Chromium not found at /nonexistent/chromium; to run the "
+                                                    "browser tests: apt-get install chromium"):
+        require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="cannot run under CI=true: Chromium not found"):
+        require_browser()

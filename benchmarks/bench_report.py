@@ -1,0 +1,263 @@
+"""Benchmark of live metrics (not a test).
+
+1. The cost of one ``report()`` call inside a rank (the training loop's share:
+   building the event and a queue put), and how fast the rank's sender thread
+   drains the queue to the notebook.
+2. The same loop measured in this process, as one rank whose channel ends in
+   a process that only receives: the rank's own share, without a notebook.
+3. The slowdown of a training loop of ~1 ms steps that reports every step
+   (1,000 reports a second per rank) while the notebook reduces the reports and
+   draws the live dashboard, against the same loop without ``report()``.
+   Blocks with and without reporting alternate (ABBA) inside one job, in a real
+   Jupyter kernel (nbclient), so the widget dashboard really renders.
+
+    .venv/bin/python benchmarks/bench_report.py [--ranks 1 2] [--block-s 2] [--pairs 4]
+
+Prints a Markdown summary; figures of a run are kept in benchmarks/RESULTS_report.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+PER_CALL = """\
+%%ddp --cpus 1
+import json, time
+from ddp_notebook import report, progress, rank_context
+calls = 100_000
+started, cpu = time.perf_counter(), time.thread_time()
+for i in range(calls):
+    report(step=i, loss=0.5, acc=0.9)
+report_s, report_cpu_s = (time.perf_counter() - started) / calls, (time.thread_time() - cpu) / calls
+started = time.perf_counter()
+rank_context().sender.flush()
+drain_s = time.perf_counter() - started
+started = time.perf_counter()
+for i in range(calls):
+    progress(i, calls)
+progress_s = (time.perf_counter() - started) / calls
+print("RESULT", json.dumps({"report_us": report_s * 1e6, "report_cpu_us": report_cpu_s * 1e6, "drain_s": drain_s,
+                            "progress_us": progress_s * 1e6, "calls": calls}))
+"""
+
+
+# Steps of ~1 ms of single-threaded torch work; blocks with and without report() alternate ABBA, all ranks
+# together.  Per block: wall time, this rank's CPU time (all its threads: the loop and the sender), the
+# CPU time of the notebook's kernel (the rank's parent), which reduces the reports and draws, and the CPU
+# time of the loop's own thread (report() calls; unlike wall time, not blurred by other processes).
+SLOWDOWN = """\
+%%ddp --cpus {ranks}
+import json, os, time, psutil, torch
+import torch.distributed as dist
+from ddp_notebook import report
+torch.set_num_threads(1)
+torch.manual_seed(rank)
+a, b = torch.randn(64, 64), torch.randn(64, 64) / 8
+kernel = psutil.Process(os.getppid())
+
+def step(repeats):
+    c = a
+    for _ in range(repeats):
+        c = torch.tanh(c @ b)
+    return float(c[0, 0])
+
+repeats = 1
+while True:  # calibrate one step to about 1 ms
+    started = time.perf_counter()
+    for _ in range(200):
+        step(repeats)
+    if (time.perf_counter() - started) / 200 >= 1e-3:
+        break
+    repeats += 1
+steps = int({block_s} / ((time.perf_counter() - started) / 200))
+x = 0
+
+def block(reporting):
+    global x
+    dist.barrier()
+    kernel_cpu = sum(kernel.cpu_times()[:2])
+    started, cpu, loop_cpu = time.perf_counter(), time.process_time(), time.thread_time()
+    for _ in range(steps):
+        loss = step(repeats)
+        x += 1
+        if reporting:
+            report(step=x, loss=loss, acc=0.5)
+    return (time.perf_counter() - started, time.process_time() - cpu, sum(kernel.cpu_times()[:2]) - kernel_cpu,
+            time.thread_time() - loop_cpu)
+
+blocks = {{"plain": [], "report": []}}
+for pair in range({pairs}):
+    for reporting in ((False, True, True, False) if pair % 2 == 0 else (True, False, False, True)):
+        blocks["report" if reporting else "plain"].append(block(reporting))
+print("RESULT", json.dumps({{"rank": rank, "steps": steps, "repeats": repeats, "blocks": blocks}}))
+"""
+
+
+def _results(cell, tag="RESULT"):
+    """The JSON printed after ``tag`` in a cell, by the notebook or by a rank ("[rank N] " prefix)."""
+    from nbrun import text
+
+    found = []
+    for line in text(cell).splitlines():
+        line = re.sub(r"^\[rank \d+\] ", "", line)
+        if line.startswith(tag + " "):
+            found.append(json.loads(line[len(tag) + 1:]))
+    return found
+
+
+def _receive_all(conn) -> None:
+    while True:
+        try:
+            conn.recv()
+        except EOFError:
+            return
+
+
+def _loop_blocks(step, steps: int, pairs: int, reporting_fn) -> dict:
+    """ABBA blocks of ``steps`` steps, with and without ``reporting_fn``: (wall, process CPU, thread CPU)."""
+    blocks = {"plain": [], "report": []}
+    x = 0
+    for pair in range(pairs):
+        for reporting in ((False, True, True, False) if pair % 2 == 0 else (True, False, False, True)):
+            started, cpu, loop_cpu = time.perf_counter(), time.process_time(), time.thread_time()
+            for _ in range(steps):
+                loss = step()
+                x += 1
+                if reporting:
+                    reporting_fn(step=x, loss=loss, acc=0.5)
+            blocks["report" if reporting else "plain"].append(
+                (time.perf_counter() - started, time.process_time() - cpu, time.thread_time() - loop_cpu))
+    return blocks
+
+
+def rank_side_alone(block_s: float, pairs: int) -> dict:
+    """Part 2: this process plays one rank; its reports go to a process that only receives them."""
+    import multiprocessing
+
+    import torch
+
+    from ddp_notebook import channel, context, report
+
+    mine, theirs = multiprocessing.Pipe()
+    sink = multiprocessing.get_context("spawn").Process(target=_receive_all, args=(theirs,), daemon=True)
+    sink.start()
+    theirs.close()
+    sender = channel.Sender(mine)
+    context.set_current(context.RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, sender=sender))
+    torch.set_num_threads(1)
+    a, b = torch.randn(64, 64), torch.randn(64, 64) / 8
+    repeats = 1
+
+    def step():
+        c = a
+        for _ in range(repeats):
+            c = torch.tanh(c @ b)
+        return float(c[0, 0])
+
+    while True:
+        started = time.perf_counter()
+        for _ in range(200):
+            step()
+        if (time.perf_counter() - started) / 200 >= 1e-3:
+            break
+        repeats += 1
+    steps = int(block_s / ((time.perf_counter() - started) / 200))
+    try:
+        return {"steps": steps, "blocks": _loop_blocks(step, steps, pairs, report)}
+    finally:
+        sender.flush()
+        context.set_current(None)
+        mine.close()
+        sink.join(10)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import psutil
+    import torch
+
+    return (f"{model}, {os.cpu_count()} logical CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; "
+            f"Linux {platform.release()}; Python {platform.python_version()}; torch {torch.__version__}")
+
+
+def main() -> None:
+    from nbrun import run_cells
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--block-s", type=float, default=2.0)
+    parser.add_argument("--pairs", type=int, default=4)
+    args = parser.parse_args()
+
+    print(f"machine: {machine()}\n")
+    cells = ["%load_ext ddp_notebook", PER_CALL]
+    for ranks in args.ranks:
+        cells.append(SLOWDOWN.format(ranks=ranks, block_s=args.block_s, pairs=args.pairs))
+    started = time.time()
+    nb, _ = run_cells(cells, timeout=600, cwd=ROOT)
+    for cell in nb.cells:
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if errors:
+            raise SystemExit("\n".join(errors[0].traceback))
+    widget_view = "application/vnd.jupyter.widget-view+json"
+    widget_outputs = sum(1 for o in nb.cells[2].outputs if widget_view in o.get("data", {}))
+
+    per_call = _results(nb.cells[1])[0]
+    print("## report() inside a rank\n")
+    print(f"- report(step=i, loss=..., acc=...): {per_call['report_us']:.2f} µs per call, "
+          f"{per_call['report_cpu_us']:.2f} µs of the calling thread's CPU ({per_call['calls']:,} calls in a loop)")
+    print(f"- the sender thread had {per_call['drain_s']:.2f} s of queue left to send after the loop")
+    print(f"- progress(i, n), throttled to ~10 events/s: {per_call['progress_us']:.2f} µs per call\n")
+
+    alone = rank_side_alone(args.block_s, args.pairs)
+    print("## The same loop, rank side alone (reports go to a process that only receives them)\n")
+    for field, name in ((0, "wall time"), (2, "loop-thread CPU"), (1, "process CPU, sender thread included")):
+        plain = statistics.median(b[field] for b in alone["blocks"]["plain"])
+        reporting = statistics.median(b[field] for b in alone["blocks"]["report"])
+        print(f"- {name}: {plain:.3f} s plain, {reporting:.3f} s reporting: {(reporting / plain - 1) * 100:+.2f}%")
+    print(f"  ({alone['steps']} steps a block)\n")
+
+    print("## Training loop of ~1 ms steps reporting every step (1,000 reports/s per rank), dashboard drawing\n")
+    print("Medians over blocks; overheads relative to the same blocks without report().\n")
+    print("| ranks | steps/block | plain block | reporting block | wall-time slowdown (per rank) | "
+          "loop-thread CPU overhead | rank CPU overhead, sender included | notebook CPU per report |")
+    print("|---|---|---|---|---|---|---|---|")
+    for index, ranks in enumerate(args.ranks):
+        rows = sorted(_results(nb.cells[2 + index]), key=lambda r: r["rank"])
+
+        def overhead(row, field):
+            plain = statistics.median(b[field] for b in row["blocks"]["plain"])
+            return statistics.median(b[field] for b in row["blocks"]["report"]) / plain - 1
+
+        wall = [overhead(r, 0) for r in rows]
+        cpu = [overhead(r, 1) for r in rows]
+        loop = [overhead(r, 3) for r in rows]
+        plain_s = statistics.median(b[0] for r in rows for b in r["blocks"]["plain"])
+        report_s = statistics.median(b[0] for r in rows for b in r["blocks"]["report"])
+        reports_per_block = rows[0]["steps"] * len(rows)
+        kernel_us = (statistics.median(b[2] for b in rows[0]["blocks"]["report"]) -
+                     statistics.median(b[2] for b in rows[0]["blocks"]["plain"])) / reports_per_block * 1e6
+        print(f"| {ranks} | {rows[0]['steps']} | {plain_s:.3f} s | {report_s:.3f} s | "
+              f"{statistics.mean(wall) * 100:+.2f}% ({', '.join(f'{w * 100:+.2f}%' for w in wall)}) | "
+              f"{statistics.mean(loop) * 100:+.2f}% ({', '.join(f'{c * 100:+.2f}%' for c in loop)}) | "
+              f"{statistics.mean(cpu) * 100:+.2f}% ({', '.join(f'{c * 100:+.2f}%' for c in cpu)}) | "
+              f"{kernel_us:.1f} µs |")
+    print(f"\n(dashboard shown as widgets: {bool(widget_outputs)}; whole benchmark {time.time() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -506,10 +506,12 @@ class Store:
             return None
         with _moved_lock:
             rec = _moved.get(addr)
-            if rec is not None and not self._still_moved(rec, nbytes, owner):
-                del _moved[addr]
+            if rec is not None and not self._still_moved(rec):
+                del _moved[addr]  # its memory was replaced while its owner lives (share_memory_, a resize)
                 os.close(rec.fd)
                 rec = None
+            if rec is not None and nbytes > rec.nbytes:
+                return None
             if rec is None:
                 if self._maps is None:
                     self._maps = _Maps()
@@ -529,8 +531,9 @@ class Store:
         self.bundle.stats["moved"] += nbytes
         return (self._pid, fd, rec.dev, rec.ino), rec.head
 
-    def _still_moved(self, rec: _Moved, nbytes: int, owner: Any) -> bool:
-        if rec.nbytes != nbytes or rec.owner is None or rec.owner() is not owner:
+    def _still_moved(self, rec: _Moved) -> bool:
+        """Is the allocation still mapped from its memfd?  (Another alias of it may ask: .numpy() of a tensor.)"""
+        if rec.owner is None or rec.owner() is None:
             return False
         maps = _Maps()
         return maps.covered(rec.lo, rec.hi, lambda perms, inode, path: inode == rec.ino and "s" in perms)

@@ -214,6 +214,10 @@ def test_moving_in_place_keeps_aliases_and_the_next_job_shares_without_copying()
     started = time.perf_counter()
     second = payload.dumps(x)
     assert time.perf_counter() - started < 0.05 and second.shared.stats["moved"] == x.nbytes
+    via_numpy = payload.dumps(alias)  # another alias of the moved block shares the same pages
+    assert via_numpy.shared.stats["moved"] == x.nbytes
+    via_numpy.shared.release()
+    assert payload.dumps(x).shared.stats["moved"] == x.nbytes  # and did not evict the tensor's record
     first.shared.release()
     path = os.path.join(tempfile.gettempdir(), f"sharing-{os.getpid()}.pkl")
     with open(path, "wb") as f:

@@ -1,0 +1,20 @@
+"""The benchmarks still run (tiny sizes, one run each): a smoke check, not a timed test."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(240)
+def test_the_memory_dump_and_report_benchmarks_run_and_write_their_tables(tmp_path):
+    out = tmp_path / "results.md"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--smoke", "--only",
+                    "memory,dump_load,report", "--out", str(out)], check=True, cwd=ROOT, timeout=220)
+    text = out.read_text()
+    for heading in ("## Machine", "## Memory", "## Dump and load", "## report()"):
+        assert heading in text
+    assert "launch() (shared memory)" in text and "fork (torch.multiprocessing" in text
+    assert (tmp_path / "results.json").exists()

@@ -167,7 +167,7 @@ def memory_notebook(mode: str, nbytes: int, out: str) -> None:
 def dump_load(nbytes: int, out: str) -> None:
     import subprocess
 
-    from ddp_notebook import payload
+    from ddp_notebook import payload, sharing
 
     ds = make_dataset(nbytes)
     result = {}
@@ -179,12 +179,15 @@ def dump_load(nbytes: int, out: str) -> None:
         started = time.perf_counter()
         data = payload.dumps(task)
         dumped = time.perf_counter() - started
+        sharing.settle()  # a first move finishes on a thread, beside the ranks' start-up
+        settled = time.perf_counter() - started
         path = os.path.join(os.path.dirname(out), f"payload-{len(kept)}.pkl")
         with open(path, "wb") as f:
             f.write(data)
         kept.append(data)
         loaded = subprocess.run([sys.executable, __file__, "load", path], capture_output=True, text=True, check=True)
-        result[label] = {"dump_s": dumped, "payload_bytes": len(data), **json.loads(loaded.stdout.splitlines()[-1])}
+        result[label] = {"dump_s": dumped, "settled_s": settled, "payload_bytes": len(data),
+                         **json.loads(loaded.stdout.splitlines()[-1])}
         os.unlink(path)
         os.environ.pop("DDP_NOTEBOOK_SHARE_MIN_BYTES", None)
     for data in kept:

@@ -11,8 +11,9 @@ tensors and views over one storage share one buffer.
   large allocation its own mapping), its pages are moved into a memfd, chunk by
   chunk, and mapped back at the same address.  Every alias (views, ``.numpy()``)
   keeps working, no second copy exists at any moment, and the next job shares
-  the same pages again without copying.  A fork of the notebook still gets a
-  copy-on-write snapshot (see ``_after_fork_in_child``).
+  the same pages again without copying.  The move runs on a thread while the
+  ranks start (they wait for the file to be complete).  A fork of the notebook
+  still gets a copy-on-write snapshot (see ``_after_fork_in_child``).
 * Copied: anything else (views of a small part of a storage, pinned or GPU
   tensors, arrays whose memory belongs to someone else) is copied into one
   per-dump memfd, or, when the machine cannot spare the memory
@@ -22,9 +23,10 @@ tensors and views over one storage share one buffer.
 Nothing is ever named in ``/dev/shm`` or on disk: memfds and unlinked files
 vanish with their last descriptor and mapping, so neither a finished job, an
 interrupt nor a SIGKILLed kernel leaves anything behind, and a small ``/dev/shm``
-(64 MB in many containers) is never involved.  Space is reserved with
-``fallocate`` before anything is mapped, so a full disk or memory limit is an
-error at dump time (the array is then pickled the ordinary way), never SIGBUS.
+(64 MB in many containers) is never involved.  Every page is written (or
+reserved with ``fallocate``) before anything maps it, so a full disk or memory
+limit is an error of a system call (the array is then copied, or pickled the
+ordinary way), never SIGBUS.
 
 Rank side: the ranks open the notebook's descriptor through
 ``/proc/<notebook pid>/fd/<n>`` and map it ``MAP_PRIVATE``: pages are shared
@@ -45,6 +47,7 @@ import platform
 import sys
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -52,7 +55,7 @@ from typing import Any
 
 DEFAULT_MIN_BYTES = 1 << 20
 _PAGE = mmap.PAGESIZE
-_CHUNK = 64 << 20  # moved and reserved per step: the most held twice at any moment
+_CHUNK = 16 << 20  # moved per step: the most held twice at any moment, and the GIL held at a time
 _DISK_MARGIN = 256 << 20
 _ALIGN = 4096  # of copies inside a shared file
 _MAP_FIXED = 0x10
@@ -108,12 +111,15 @@ def _close_all(fds: list[int]) -> None:
 class _Moved:
     """A notebook allocation whose pages now live in a memfd mapped back over it (MAP_SHARED)."""
 
-    def __init__(self, fd: int, addr: int, nbytes: int, base: int, lo: int, hi: int):
+    def __init__(self, fd: int, addr: int, nbytes: int, base: int, lo: int, hi: int, size: int):
         self.fd, self.addr, self.nbytes = fd, addr, nbytes
-        self.base, self.lo, self.hi = base, lo, hi  # file offset 0 is address `base`; [lo, hi) is mapped
+        self.base, self.lo, self.hi = base, lo, hi  # file offset 0 is address `base`; [lo, hi) is mapped so far
+        self.size = size  # of the file once every byte is in: ranks wait for it
         st = os.fstat(fd)
         self.dev, self.ino = st.st_dev, st.st_ino
         self.complete = False
+        self.failed = False
+        self.done = threading.Event()
         self.owner: Any = None  # weakref to the object whose life bounds the allocation's
 
     @property
@@ -252,11 +258,10 @@ def _own_mapping(maps: _Maps, addr: int, nbytes: int) -> bool:
 
 
 def _move_in_place(addr: int, nbytes: int, owner: Any) -> _Moved | None:
-    """Move the pages of [addr, addr + nbytes) into a new memfd mapped at the same address.
+    """Start moving the pages of [addr, addr + nbytes) into a new memfd mapped at the same address.
 
-    Chunk by chunk: reserve (fallocate), copy, map the file over the chunk, which
-    frees the chunk's anonymous pages.  The partial pages at both ends stay the
-    notebook's; the file holds a copy of them for the ranks.
+    The copying runs on a thread of its own (``_fill``), beside the ranks' start-up;
+    the record, and so the reference the ranks get, exists at once.
     """
     try:
         owner_ref = weakref.ref(owner)
@@ -266,24 +271,38 @@ def _move_in_place(addr: int, nbytes: int, owner: Any) -> _Moved | None:
     end = (addr + nbytes + _PAGE - 1) & ~(_PAGE - 1)
     lo = (addr + _PAGE - 1) & ~(_PAGE - 1)
     hi = (addr + nbytes) & ~(_PAGE - 1)
-    lib = _libc()
     try:
         fd = os.memfd_create("ddp_notebook", os.MFD_CLOEXEC)
     except OSError:
         return None
-    rec = _Moved(fd, addr, nbytes, base, lo, lo)
+    rec = _Moved(fd, addr, nbytes, base, lo, lo, end - base)
+    rec.owner = owner_ref
+    _moved[addr] = rec
+    weakref.finalize(owner, _forget, addr, rec)
+    # The thread holds the owner: the block cannot be freed (nor its memfd closed) half moved.
+    threading.Thread(target=_fill, args=(rec, owner), name="ddp-share-move", daemon=True).start()
+    return rec
+
+
+def _fill(rec: _Moved, owner: Any) -> None:
+    """Copy the block into its memfd in address order, mapping each chunk back over the block once written.
+
+    The write of a chunk allocates its pages (an error here is ENOMEM or ENOSPC,
+    never SIGBUS later), and mapping the file over the chunk frees its anonymous
+    pages: at most one chunk is held twice.  The file grows as it fills and reaches
+    ``rec.size`` only when complete, which is what the ranks wait for; a failure
+    sets the size past it.  The partial pages at both ends stay the notebook's own;
+    the file holds a copy of them.
+    """
+    lib = _libc()
+    addr, base, lo, hi, fd = rec.addr, rec.base, rec.lo, rec.hi, rec.fd
     try:
-        os.ftruncate(fd, end - base)
         if lo > addr:
-            os.posix_fallocate(fd, 0, lo - base)
             _pwrite_from(fd, addr, lo - addr, addr - base)
-        if addr + nbytes > hi:
-            os.posix_fallocate(fd, hi - base, end - hi)
-            _pwrite_from(fd, hi, addr + nbytes - hi, hi - base)
         at = lo
-        while at < hi:
-            step = min(_CHUNK, hi - at)
-            os.posix_fallocate(fd, at - base, step)
+        end = (addr + rec.nbytes) & ~(_PAGE - 1)
+        while at < end:
+            step = min(_CHUNK, end - at)
             _pwrite_from(fd, at, step, at - base)
             if lib.mmap(at, step, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd,
                         at - base) != at:
@@ -291,17 +310,29 @@ def _move_in_place(addr: int, nbytes: int, owner: Any) -> _Moved | None:
                 raise OSError(err, os.strerror(err))
             at += step
             rec.hi = at
+        if addr + rec.nbytes > end:
+            _pwrite_from(fd, end, addr + rec.nbytes - end, end - base)
+        os.ftruncate(fd, rec.size)
         rec.complete = True
     except OSError:
-        if rec.hi == lo:
-            os.close(fd)
-            return None
-        # Part of the block already lives in the memfd (values intact); keep it
-        # registered so forks still get their own copy, but share it by copying.
-    rec.owner = owner_ref
-    _moved[addr] = rec
-    weakref.finalize(owner, _forget, addr, rec)
-    return rec
+        # The part already moved lives in the memfd (values intact) and stays registered,
+        # so forks still get their own copy; later jobs copy the block instead.
+        rec.failed = True
+        try:
+            os.ftruncate(fd, rec.size + _PAGE)
+        except OSError:
+            pass
+    finally:
+        del owner
+        rec.done.set()
+
+
+def settle(timeout: float | None = None) -> bool:
+    """Wait until every move into shared memory started so far is finished; False on timeout."""
+    for rec in list(_moved.values()):
+        if not rec.done.wait(timeout):
+            return False
+    return True
 
 
 def _spare_memory() -> int:
@@ -506,30 +537,31 @@ class Store:
             return None
         with _moved_lock:
             rec = _moved.get(addr)
-            if rec is not None and not self._still_moved(rec):
-                del _moved[addr]  # its memory was replaced while its owner lives (share_memory_, a resize)
-                os.close(rec.fd)
-                rec = None
-            if rec is not None and nbytes > rec.nbytes:
-                return None
+            if rec is not None:
+                rec.done.wait()  # a move started by an earlier dump
+                if rec.failed or nbytes > rec.nbytes:
+                    return None
+                if not self._still_moved(rec):
+                    del _moved[addr]  # its memory was replaced while its owner lives (share_memory_, a resize)
+                    os.close(rec.fd)
+                    rec = None
+                else:
+                    # The partial pages at both ends stayed the notebook's own: bring the file's copy up to date.
+                    _pwrite_from(rec.fd, addr, rec.lo - addr, rec.head)
+                    _pwrite_from(rec.fd, rec.hi, addr + rec.nbytes - rec.hi, rec.hi - rec.base)
             if rec is None:
                 if self._maps is None:
                     self._maps = _Maps()
                 if not _own_mapping(self._maps, addr, nbytes):
                     return None
                 rec = _move_in_place(addr, nbytes, owner)
-                self._maps = None  # the mappings changed
+                self._maps = None  # the mappings are changing
                 if rec is None:
                     return None
-            if not rec.complete:
-                return None
-            # The partial pages at both ends stayed the notebook's own: bring the file's copy up to date.
-            _pwrite_from(rec.fd, addr, rec.lo - addr, rec.head)
-            _pwrite_from(rec.fd, rec.hi, addr + nbytes - rec.hi, rec.hi - rec.base)
             fd = os.dup(rec.fd)  # this job's own descriptor: the owner may die while ranks start
         self.bundle._adopt(fd)
         self.bundle.stats["moved"] += nbytes
-        return (self._pid, fd, rec.dev, rec.ino), rec.head
+        return (self._pid, fd, rec.dev, rec.ino, rec.size), rec.head
 
     def _still_moved(self, rec: _Moved) -> bool:
         """Is the allocation still mapped from its memfd?  (Another alias of it may ask: .numpy() of a tensor.)"""
@@ -598,7 +630,7 @@ def loading():
 
 
 def _map(ref: tuple) -> mmap.mmap:
-    pid, fd, dev, ino = ref
+    pid, fd, dev, ino = ref[:4]
     mm = _mapped.get((dev, ino))
     if mm is not None:
         return mm
@@ -613,7 +645,17 @@ def _map(ref: tuple) -> mmap.mmap:
         st = os.fstat(handle)
         if (st.st_dev, st.st_ino) != (dev, ino):
             raise RuntimeError(f"{path} is no longer the notebook's shared data (the job has ended)")
-        mm = mmap.mmap(handle, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE: writes stay this rank's
+        size = st.st_size
+        if len(ref) > 4:  # a block the notebook is still moving into shared memory: wait for all of it
+            pause = 0.001
+            while size < ref[4]:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                size = os.fstat(handle).st_size
+            if size > ref[4]:
+                raise RuntimeError("the notebook could not move an array into shared memory (out of memory?); "
+                                   "DDP_NOTEBOOK_SHARE_INPLACE=0 copies it instead")
+        mm = mmap.mmap(handle, size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE: writes stay this rank's
     finally:
         os.close(handle)
     _mapped[(dev, ino)] = mm

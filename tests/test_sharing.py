@@ -206,6 +206,7 @@ def test_moving_in_place_keeps_aliases_and_the_next_job_shares_without_copying()
     expected = x.clone()
     first = payload.dumps(x)
     assert first.shared.stats["moved"] == x.nbytes
+    assert sharing.settle(30)  # the move runs beside the ranks' start-up
     with open("/proc/self/maps") as f:
         assert "memfd:ddp_notebook" in f.read()
     assert torch.equal(x, expected)
@@ -239,7 +240,7 @@ def test_moving_in_place_keeps_aliases_and_the_next_job_shares_without_copying()
 def test_a_fork_of_the_notebook_gets_copy_on_write_pages_as_before():
     x = torch.zeros(40 * MIB // 4)
     data = payload.dumps(x)
-    assert data.shared.stats["moved"] == x.nbytes
+    assert data.shared.stats["moved"] == x.nbytes and sharing.settle(30)
     pid = os.fork()
     if pid == 0:  # (numpy, not torch: OpenMP's thread pool does not survive a fork)
         view = x.numpy()
@@ -281,3 +282,31 @@ def test_sharing_off_pickles_everything_as_before(monkeypatch):
     x = torch.randn(MIB // 2)
     data = payload.dumps(x)
     assert len(data) > x.nbytes and data.shared.stats["arrays"] == 0
+
+
+def test_a_move_that_fails_half_way_is_reported_to_the_ranks_and_later_jobs_copy(monkeypatch, tmp_path):
+    x = torch.arange(40 * MIB // 4, dtype=torch.float32)
+    expected = x.clone()
+    real_write, calls = sharing._pwrite_from, []
+
+    def failing_write(fd, addr, nbytes, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(12, "Cannot allocate memory")
+        real_write(fd, addr, nbytes, offset)
+
+    monkeypatch.setattr(sharing, "_pwrite_from", failing_write)
+    data = payload.dumps(x)
+    assert sharing.settle(30)
+    monkeypatch.setattr(sharing, "_pwrite_from", real_write)
+    assert torch.equal(x, expected)  # the part moved and the part not moved both hold their values
+    path = tmp_path / "p.pkl"
+    path.write_bytes(data)
+    with pytest.raises(RuntimeError, match="could not move an array into shared memory"):
+        payload.load(str(path))
+    again = payload.dumps(x)
+    assert again.shared.stats["moved"] == 0 and again.shared.stats["memory"] == x.nbytes
+    path.write_bytes(again)
+    assert torch.equal(payload.load(str(path)), expected)
+    data.shared.release()
+    again.shared.release()

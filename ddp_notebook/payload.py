@@ -124,6 +124,8 @@ def names_used(code: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             used.add(node.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            used.add(node.target.id)  # x += 1 reads x first
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             used.update(node.names)
     return used

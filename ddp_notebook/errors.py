@@ -62,16 +62,23 @@ class RankError(RuntimeError):
         return "\n".join(parts)
 
 
+_DISTRIBUTED = re.compile(r"gloo|nccl|c10d|TCPStore|ProcessGroup", re.IGNORECASE)
+
+
 def classify(exc: BaseException) -> str:
-    """'comm' for a lost peer, 'timeout' for a collective that timed out, else 'user'."""
+    """'comm' for a lost peer, 'timeout' for a collective that timed out, else 'user'.
+
+    Only errors raised by torch.distributed count as the first two: a user's own
+    TimeoutError or ConnectionError is a real error of its rank.
+    """
     text = f"{type(exc).__name__}: {exc}"
-    if _COMM_PATTERNS.search(text):
-        return "comm"
-    if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError") or isinstance(exc, TimeoutError):
-        return "timeout" if _TIMEOUT_PATTERNS.search(text) else "comm"
-    if _TIMEOUT_PATTERNS.search(text) and "gloo" in text.lower():
+    distributed = type(exc).__name__.startswith("Dist") or (isinstance(exc, RuntimeError)
+                                                           and _DISTRIBUTED.search(text) is not None)
+    if not distributed:
+        return "user"
+    if _TIMEOUT_PATTERNS.search(text) and not _COMM_PATTERNS.search(text):
         return "timeout"
-    return "user"
+    return "comm"
 
 
 def format_exception(exc: BaseException, labels: dict[str, str] | None = None) -> str:

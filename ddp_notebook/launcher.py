@@ -29,39 +29,18 @@ from .ranks import RankGroup
 Listener = Callable[["Job", str, int, dict], None]
 
 DEFAULT_CPU_RANKS = 2
-# Hooks for what later chooses devices when a cell names none (picker, pool).
+# What chooses the devices of cells and launches that name none: the GPU picker. Explicit flags win, and a
+# warm pool, which runs such cells itself, wins over it.
 _default_devices: Callable[[], tuple[str, Any] | None] | None = None
-# Who may set that default, first one with an answer wins: a warm pool over the GPU picker.
-DEFAULT_SOURCES = ("pool", "picker")
-_default_sources: dict[str, Callable[[], tuple[str, Any] | None]] = {}
-_default_source_used = "picker"
 
 
-def set_default_devices(fn: Callable[[], tuple[str, Any] | None] | None, source: str = "picker") -> None:
+def set_default_devices(fn: Callable[[], tuple[str, Any] | None] | None) -> None:
     """Install (or, with None, remove) what chooses the devices of cells and launches that name none.
 
-    ``fn()`` returns ``("gpus", [indices])``, ``("cpus", n)`` or None (no opinion);
-    explicit ``--gpus``/``--cpus`` always win, and a ``"pool"`` wins over the ``"picker"``.
+    ``fn()`` returns ``("gpus", [indices])``, ``("cpus", n)`` or None (no opinion).
     """
     global _default_devices
-    if source not in DEFAULT_SOURCES:
-        raise ValueError(f"source must be one of {DEFAULT_SOURCES}, not {source!r}")
-    if fn is None:
-        _default_sources.pop(source, None)
-    else:
-        _default_sources[source] = fn
-    _default_devices = _from_default_sources if _default_sources else None
-
-
-def _from_default_sources() -> tuple[str, Any] | None:
-    global _default_source_used
-    for source in DEFAULT_SOURCES:
-        fn = _default_sources.get(source)
-        chosen = fn() if fn is not None else None
-        if chosen is not None:
-            _default_source_used = source
-            return chosen
-    return None
+    _default_devices = fn
 
 
 _last_job: "Job | None" = None
@@ -127,8 +106,7 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
         if chosen is not None:
             kind, value = chosen
             gpus, cpus = (value, None) if kind == "gpus" else (None, value)
-            where = "by the warm pool" if _default_source_used == "pool" else "in the GPU picker"
-            notes.append(f"using the {kind} chosen {where}: {value}")
+            notes.append(f"using the {kind} chosen in the GPU picker: {value}")
     if cpus is not None:
         if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
             raise LaunchError(f"cpus must be a positive number of ranks, not {cpus!r}")
@@ -544,6 +522,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     """
     check_options(port, seed, timeout)
     pool = _pool() if gpus is None and cpus is None and nnodes == 1 else None
+    if pool is not None:
+        pool.refuse_job_options(port=port, timeout=timeout, backend=backend)
     spec = pool.spec_for(seed) if pool is not None else resolve_devices(gpus, cpus, backend)
     if pool is None:
         spec.port, spec.seed, spec.timeout = port, seed, timeout

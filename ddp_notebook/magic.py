@@ -88,10 +88,9 @@ class DDPMagics(Magics):
             launcher.check_options(args.port, args.seed, args.timeout)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             _check_node_flags(args, export_only)
-            targets = _parse_ranks(args.ranks, warm, cell)
-            if warm is not None and (args.port is not None or args.timeout is not None or args.backend):
-                raise LaunchError("--port, --timeout and --backend are set when a warm pool starts "
-                                  "(%ddp_start); name devices (--gpus/--cpus) to run a fresh job instead")
+            targets = _parse_ranks(args.ranks, warm, cell, returns)
+            if warm is not None:
+                warm.refuse_job_options(port=args.port, timeout=args.timeout, backend=args.backend)
             names, shadowed = payload.select_names(cell, shell.user_ns)
             for name in shadowed:
                 warnings.warn(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is not used",
@@ -117,7 +116,7 @@ class DDPMagics(Magics):
                                            timeout=args.timeout, backend=args.backend)
                 print(exported.summary(args.cpus or _gpu_count(args.gpus) or "N"))
                 return None
-            relay = background_relay() if args.background else None
+            relay = background_relay(output_ranks) if args.background else None
             job = launcher.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
                                        relay=relay, targets=targets)
         except LaunchError as exc:
@@ -248,7 +247,7 @@ def _gpu_count(gpus: str | None) -> int | None:
     return int(text) if "," not in text and text.isdigit() else len([p for p in text.split(",") if p.strip()])
 
 
-def _parse_ranks(text: str | None, warm, cell: str) -> list[int] | None:
+def _parse_ranks(text: str | None, warm, cell: str, returns: list[str]) -> list[int] | None:
     if text is None:
         return None
     if warm is None:
@@ -259,6 +258,8 @@ def _parse_ranks(text: str | None, warm, cell: str) -> list[int] | None:
         raise LaunchError(f"--ranks {text!r}: give rank numbers, as in 0 or 0,2") from None
     if not targets:
         raise LaunchError("--ranks: no rank given")
+    if returns and 0 not in targets:
+        raise LaunchError("--return copies names back from rank 0, which --ranks leaves out")
     if len(targets) < warm.spec.world_size:
         calls = pool_module.collective_calls(cell)
         if calls:
@@ -277,7 +278,7 @@ def _take_returns(shell, result) -> None:
 _background_jobs: list = []
 
 
-def background_relay():
+def background_relay(output_ranks: set[int] | None = None):
     """Rank output of a background job goes to an Output widget under its own cell, from any thread."""
     import ipywidgets as widgets
     from IPython.display import display
@@ -298,7 +299,7 @@ def background_relay():
         def flush(self) -> None:
             pass
 
-    relay = OutputRelay(Stream("stdout"), Stream("stderr"))
+    relay = OutputRelay(Stream("stdout"), Stream("stderr"), ranks=output_ranks)
     relay.area = area
     return relay
 

@@ -40,7 +40,9 @@ class OutputRelay:
         if self.ranks is not None and rank not in self.ranks and rank >= 0:
             return
         text = self._partial.pop((rank, stream), "") + data.decode("utf-8", "replace")
-        lines = text.split("\n")
+        # A progress bar redraws its line after "\r": only what a terminal would show is kept, so a
+        # line that is never ended cannot grow without bound.
+        lines = [_last_drawn(line) for line in text.split("\n")]
         if lines[-1]:
             self._partial[(rank, stream)] = lines[-1]
         prefix = _label(rank) + " "
@@ -86,3 +88,10 @@ class OutputRelay:
 
 def _label(rank: int) -> str:
     return f"[rank {rank}]" if rank >= 0 else "[torchrun]"
+
+
+def _last_drawn(line: str) -> str:
+    if "\r" not in line:
+        return line
+    segments = [segment for segment in line.split("\r") if segment]
+    return segments[-1] if segments else ""

@@ -141,7 +141,7 @@ class GPUPicker(widgets.VBox):
         previous, _active = _active, self
         if previous is not None and previous is not self:
             previous.summary.value = "<i>A newer GPU picker is in charge.</i>"
-        launcher.set_default_devices(self._default, "picker")
+        launcher.set_default_devices(self._default)
         self._changed()
         return self
 
@@ -178,4 +178,4 @@ def forget() -> None:
     if _active is not None:
         _active.summary.value = "<i>This choice was dropped; cells that name no devices use the defaults.</i>"
     _active = None
-    launcher.set_default_devices(None, "picker")
+    launcher.set_default_devices(None)

@@ -123,7 +123,8 @@ class Pool:
         self.group: RankGroup | None = None
         self.cells = 0
         self.restarts = 0
-        self.busy: launcher.Job | None = None  # a background job running on the pool
+        self.busy: launcher.Job | None = None  # the job running on the pool (a background one, between cells)
+        self._stopping = False
         # What each rank holds of the notebook's names: name -> fingerprint at shipping time (or at the
         # moment the ranks bound the name themselves, so their value wins until the notebook changes its own).
         self._held: list[dict[str, str]] = []
@@ -162,8 +163,9 @@ class Pool:
     def stop(self) -> None:
         """End the ranks cleanly and remove everything the pool left."""
         global _current
-        if self.busy is not None and not self.busy.done:
-            self.busy.stop()
+        self._stopping = True  # a job still running ends without bringing the ranks back
+        if self.busy is not None:
+            self.busy.stop(timeout=None)
         if self.group is not None:
             self.group.shut_down(wait=5.0)
             self.group = None
@@ -172,11 +174,13 @@ class Pool:
 
     def restart(self, reason: str) -> None:
         """Replace the ranks; everything they held is lost, and the user is told so."""
-        print(f"ddp_notebook: {reason}; the warm pool was restarted and the names its ranks held are gone",
-              file=sys.stderr)
         if self.group is not None:
             self.group.kill()
             self.group = None
+        if self._stopping:
+            return
+        print(f"ddp_notebook: {reason}; the warm pool was restarted and the names its ranks held are gone",
+              file=sys.stderr)
         self.restarts += 1
         self.start()
 
@@ -199,6 +203,13 @@ class Pool:
         return rows
 
     # -- cells -----------------------------------------------------------
+    def refuse_job_options(self, **options: Any) -> None:
+        """Options fixed when the pool started cannot change for one cell or call."""
+        given = [name for name, value in options.items() if value is not None]
+        if given:
+            raise LaunchError(f"{', '.join(given)} are set when a warm pool starts (%ddp_start); name devices "
+                              f"(--gpus/--cpus) to run a fresh job instead")
+
     def spec_for(self, seed: int | None = None, output_ranks: set[int] | None = None) -> launcher.JobSpec:
         """The pool's spec with one cell's own settings."""
         return dataclasses.replace(self.spec, seed=seed, output_ranks=output_ranks, notes=[])
@@ -215,7 +226,7 @@ class Pool:
     def job(self, task: bytes, spec: launcher.JobSpec, targets: list[int] | None = None,
             relay: OutputRelay | None = None) -> launcher.Job:
         """A job for one cell (or call) on the pool's ranks."""
-        if self.busy is not None and not self.busy.done:
+        if self.busy is not None:
             raise LaunchError("the warm pool is busy with a background job: wait for it (job.wait()) or stop it")
         self._ensure_alive()
         targets = list(range(self.spec.world_size)) if targets is None else targets
@@ -225,21 +236,33 @@ class Pool:
         job = launcher.Job(spec, task, group=self.group, targets=targets, relay=relay,
                            on_interrupt=self._interrupted)
         job.pool = self
+        job.add_listener(lambda job, kind, rank, body: setattr(self, "busy", job) if kind == "started" else None)
+        job.on_done.append(self._job_ended)
         return job
+
+    def _job_ended(self, job: launcher.Job) -> None:
+        """On the job's own thread, before anyone may use the pool again: recover from a failure."""
+        try:
+            if job.status == "failed" and self.group is job.group:
+                self._after_failure(job)
+        finally:
+            self.busy = None
 
     def cell_done(self, job: launcher.Job, shipped: dict[str, Any], code: str, user_ns: dict,
                   returned: dict[str, Any] | None = None) -> None:
-        """After a cell: remember what the ranks hold now, and recover from a failure.
+        """After a cell: remember what the ranks hold now.
 
         Names the ranks bound (or sent back with ``--return``) are theirs: the
         notebook's value of the same name is shipped again only once it changes.
         """
         self.cells += 1
-        if job._outcome is not None and job._outcome[0] == "error" and not isinstance(job._outcome[1],
-                                                                                       KeyboardInterrupt):
-            self._after_failure(job)
-        if self.group is None or self._held == [] or job.group is not self.group:
+        if self.group is None or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
+        if job.status != "done":  # what the failed cell bound, or was sent, may be missing or half-made
+            for rank in job.targets:
+                for name in names_assigned(code) | set(shipped):
+                    self._held[rank].pop(name, None)
+            return
         marks = {name: fingerprint(value) for name, value in shipped.items()}
         returned = returned or {}
         bound = {name: fingerprint(returned[name] if name in returned else user_ns[name])
@@ -273,6 +296,9 @@ class Pool:
 
     def _interrupted(self, job: launcher.Job) -> None:
         """Interrupt stops the cell, not the pool: bring every rank back to a common point, or restart."""
+        if self._stopping:
+            self.restart("stopping")  # only ends the ranks
+            return
         group = self.group
         group.signal(job.targets, signal.SIGINT)
         deadline = time.monotonic() + _INTERRUPT_WAIT_S

@@ -55,7 +55,7 @@ class RankGroup:
             for rank in range(spec.world_size):
                 self._start_rank(rank, store_sock)
         except BaseException:
-            self.close()
+            self.kill()  # ranks already started are stopped and reaped too
             raise
         return self
 
@@ -85,7 +85,8 @@ class RankGroup:
             "rank": rank, "local_rank": rank, "world_size": spec.world_size, "local_world_size": spec.world_size,
             "address": list(self._channel.address), "key": self._channel.key.hex(),
             "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
-            "gpus": spec.gpus is not None, "backend": spec.backend, "init_group": spec.init_group,
+            # spawn() leaves devices to the user's code, as mp.spawn does: no set_device for it.
+            "gpus": spec.gpus is not None and spec.init_group, "backend": spec.backend, "init_group": spec.init_group,
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
             "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
         }
@@ -134,9 +135,7 @@ class RankGroup:
     # -- watch -----------------------------------------------------------
     def pump(self, timeout: float = 0.1) -> None:
         """Wait up to ``timeout`` for output or messages and hand them on; notice exits."""
-        if self._channel is not None:
-            for conn in self._channel.new_connections():
-                self._conns[conn] = -1
+        self._take_new_connections()
         for obj in wait_ready(list(self._conns) + list(self._pipes), timeout):
             if isinstance(obj, int):
                 self._read_pipe(obj)
@@ -145,7 +144,13 @@ class RankGroup:
         self.relay.maybe_flush()
         self._notice_exits()
 
+    def _take_new_connections(self) -> None:
+        if self._channel is not None:
+            for conn in self._channel.new_connections():
+                self._conns[conn] = -1
+
     def _notice_exits(self) -> None:
+        self._take_new_connections()  # a rank's report may sit on a connection accepted a moment ago
         for rank, proc in enumerate(self._procs):
             if rank not in self.exited and proc.poll() is not None:
                 self.exited[rank] = proc.returncode
@@ -182,15 +187,19 @@ class RankGroup:
             conn.close()
 
     def _drain(self, rank: int) -> None:
+        """Read what an exited rank left in its pipes and its connection (without waiting: a child of the
+        rank may still hold its stdout open)."""
         for fd, (r, _) in list(self._pipes.items()):
             if r == rank:
-                while fd in self._pipes:
+                for _ in range(256):  # at most 16 MiB of leftover output
+                    if fd not in self._pipes or not wait_ready([fd], 0):
+                        break
                     try:
                         self._read_pipe(fd)
                     except OSError:
                         self._pipes.pop(fd, None)
         for conn, r in list(self._conns.items()):
-            if r == rank:
+            if r in (rank, -1):
                 self._read_conn(conn)
 
     # -- stop ------------------------------------------------------------
@@ -215,6 +224,12 @@ class RankGroup:
                 try:
                     strays += psutil.Process(proc.pid).children(recursive=True)
                 except psutil.Error:
+                    pass
+        for proc in self._procs:
+            if proc.poll() is not None:  # the rank is gone, but what it started may live on in its group
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
                     pass
         for sig in (signal.SIGTERM, signal.SIGKILL):
             alive = [p for p in self._procs if p.poll() is None]

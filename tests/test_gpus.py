@@ -26,7 +26,6 @@ def server(monkeypatch):
     fake = fake_nvml.server8()
     monkeypatch.setattr(gpus, "_nvml_override", fake)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(launcher, "_default_sources", {})
     monkeypatch.setattr(launcher, "_default_devices", None)
     return fake
 
@@ -187,7 +186,6 @@ def test_resolve_devices_counts_lists_and_refusals(server):
 
 def test_no_gpus_means_two_cpu_ranks_and_no_nccl(monkeypatch):
     monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.FakeNVML(rows=[]))
-    monkeypatch.setattr(launcher, "_default_sources", {})
     monkeypatch.setattr(launcher, "_default_devices", None)
     spec = launcher.resolve_devices()
     assert (spec.world_size, spec.gpus, spec.backend) == (2, None, "gloo")
@@ -197,26 +195,18 @@ def test_no_gpus_means_two_cpu_ranks_and_no_nccl(monkeypatch):
         launcher.resolve_devices(1)
 
 
-def test_default_devices_explicit_flags_win_and_a_pool_wins_over_the_picker(server):
-    launcher.set_default_devices(lambda: ("gpus", [6, 1]), "picker")
+def test_default_devices_from_the_picker_and_explicit_flags_win(server):
+    launcher.set_default_devices(lambda: ("gpus", [6, 1]))
     spec = launcher.resolve_devices()
     assert spec.gpus == ["6", "1"] and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [6, 1]"]
     assert launcher.resolve_devices(cpus=3).world_size == 3  # explicit flags win
     assert launcher.resolve_devices("2,").gpus == ["2"]
-    pool_answer = [("cpus", 4)]
-    launcher.set_default_devices(lambda: pool_answer[0], "pool")
-    spec = launcher.resolve_devices()
-    assert (spec.world_size, spec.gpus) == (4, None)
-    assert spec.notes == ["using the cpus chosen by the warm pool: 4"]
-    pool_answer[0] = None  # a pool with no opinion leaves it to the picker
-    assert launcher.resolve_devices().gpus == ["6", "1"]
-    launcher.set_default_devices(None, "pool")
-    launcher.set_default_devices(None, "picker")
+    launcher.set_default_devices(lambda: None)  # a picker with no opinion
+    assert launcher.resolve_devices().world_size == 8
+    launcher.set_default_devices(None)
     assert launcher._default_devices is None
     assert launcher.resolve_devices().world_size == 8
-    with pytest.raises(ValueError, match="source must be one of"):
-        launcher.set_default_devices(lambda: None, "somebody")
 
 
 def test_cli_prints_the_table(server, capsys):

@@ -39,6 +39,39 @@ def test_relay_prefixes_batches_and_elides_the_oldest_lines():
     assert out.getvalue().endswith("[rank 0] no newline at the end\n")
 
 
+def test_a_progress_bar_redrawn_with_carriage_returns_keeps_only_what_a_terminal_shows():
+    out = io.StringIO()
+    relay = OutputRelay(out, io.StringIO())
+    for i in range(20_000):
+        relay.feed(0, "stdout", b"\r%5d/20000 |####" % i)
+    assert sum(len(v) for v in relay._partial.values()) < 100  # never grows with the redraws
+    relay.feed(0, "stdout", b"\rdone\n")
+    relay.flush(final=True)
+    assert out.getvalue() == "[rank 0] done\n"
+
+
+def _leaves_a_child_holding_stdout():
+    import subprocess
+
+    return subprocess.Popen(["sleep", "60"]).pid  # inherits the rank's stdout and stderr
+
+
+def test_a_child_that_outlives_its_rank_neither_hangs_the_job_nor_survives_it(no_leftovers):
+    import os
+    import time
+
+    import psutil
+
+    started = time.time()
+    pids = ddp_notebook.launch(_leaves_a_child_holding_stdout, cpus=2)
+    assert time.time() - started < 30
+    deadline = time.time() + 5
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids) \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
 def test_output_filter_keeps_rank_0_only():
     out = io.StringIO()
     relay = OutputRelay(out, io.StringIO(), ranks={0})

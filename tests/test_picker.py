@@ -17,7 +17,6 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture
 def clean_defaults(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(launcher, "_default_sources", {})
     monkeypatch.setattr(launcher, "_default_devices", None)
     monkeypatch.setattr(picker, "_active", None)
 

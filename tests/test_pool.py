@@ -110,10 +110,19 @@ def test_seen_values_come_back_from_a_pool_cell(no_leftovers):
         "%%ddp --return pool_pid\nimport os\npool_pid = os.getpid()",
         "import os, ddp_notebook\ndef where():\n    import os\n    return os.getpid()\n"
         "pids = ddp_notebook.launch(where)\nprint(pids[0] == pool_pid, len(pids))",
+        # 9: a cell that failed on every rank does not count what it would have bound as held
+        "mdl = 'the notebook'",
+        "%%ddp\nprint(undefined_name)\nmdl = 1",
+        "%%ddp --return got\ngot = mdl",
+        "print(got)",
+        "%%ddp --ranks 1 --return x\nx = 1",
         "%ddp_stop",
     ])
     assert text(nb.cells[6]) == "100001.0\n"
     assert text(nb.cells[8]) == "True 2\n"
+    assert "NameError" in text(nb.cells[10])
+    assert text(nb.cells[12]) == "the notebook\n"
+    assert "--return copies names back from rank 0, which --ranks leaves out" in text(nb.cells[13])
 
 
 TRAIN = '''%%ddp

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from . import dashboard
 from .errors import Failure, RankError, blame
+from .launcher import EventSource
 from .runner import METRICS_PREFIX, METRICS_SUFFIX
 
 POLL_S = 0.25
@@ -60,7 +61,7 @@ class _Tail:
         return data[:end].splitlines()
 
 
-class FollowedRun:
+class FollowedRun(EventSource):
     """A torchrun job seen through its metrics files; what a Job is to the dashboard."""
 
     def __init__(self, run_dir: str, callbacks: list | tuple = ()):
@@ -78,22 +79,6 @@ class FollowedRun:
         self._outcome: tuple[str, Any] | None = None
         self._tails: dict[str, _Tail] = {}
         self._last_line_at = time.monotonic()
-
-    # -- what the dashboard uses of a job ----------------------------------------------------
-    def add_listener(self, listener: Listener) -> None:
-        self.listeners.append(listener)
-
-    def _emit(self, kind: str, rank: int, body: dict) -> None:
-        for listener in list(self.listeners):
-            listener(self, kind, rank, body)
-
-    def show(self) -> None:
-        """Draw the dashboard again from the history."""
-        dashboard.show(self)
-
-    @property
-    def done(self) -> bool:
-        return self._outcome is not None
 
     @property
     def status(self) -> str:

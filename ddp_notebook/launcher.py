@@ -194,7 +194,31 @@ def _signal_name(code: int) -> str:
 _task_ids = itertools.count(1)
 
 
-class Job:
+class EventSource:
+    """What views need of a run: listeners for its events, its reduced ``history``, a way to redraw it."""
+
+    listeners: list[Listener]
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(job, kind, rank, body)`` for every event a rank sends."""
+        self.listeners.append(listener)
+
+    def _emit(self, kind: str, rank: int, body: dict) -> None:
+        for listener in list(self.listeners):
+            listener(self, kind, rank, body)
+
+    def show(self) -> None:
+        """Draw the metrics dashboard again from the history (widgets in a notebook, text elsewhere)."""
+        from . import dashboard  # notebook side, imported only when asked for
+
+        dashboard.show(self)
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+
+class Job(EventSource):
     """One task run on a group of ranks; ``result()`` waits for it and returns the per-rank values.
 
     A job starts its own ranks and ends them afterwards, or runs on the ranks
@@ -228,21 +252,6 @@ class Job:
         self._stop_requested = False
         self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
 
-    # -- listeners -------------------------------------------------------
-    def add_listener(self, listener: Listener) -> None:
-        """Call ``listener(job, kind, rank, body)`` for every event a rank sends."""
-        self.listeners.append(listener)
-
-    def _emit(self, kind: str, rank: int, body: dict) -> None:
-        for listener in list(self.listeners):
-            listener(self, kind, rank, body)
-
-    def show(self) -> None:
-        """Draw this job's metrics dashboard again from its history (widgets in a notebook, text elsewhere)."""
-        from . import dashboard  # notebook side, imported only when asked for
-
-        dashboard.show(self)
-
     @property
     def pids(self) -> dict[int, int]:
         return self.group.pids if self.group is not None else {}
@@ -254,10 +263,6 @@ class Job:
     @property
     def workdir(self) -> str | None:
         return self.group.workdir if self.group is not None else None
-
-    @property
-    def done(self) -> bool:
-        return self._outcome is not None
 
     @property
     def status(self) -> str:

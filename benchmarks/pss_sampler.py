@@ -2,9 +2,12 @@
 
 ``python benchmarks/pss_sampler.py ROOT_PID OUT.json``: runs until ROOT_PID is gone (or a zombie).  An
 in-process sampler would miss short peaks and count itself; this one reads /proc/PID/smaps_rollup.
+A child started with vfork shares its parent's address space until it execs; its smaps_rollup then
+repeats the parent's, so it is left out (kcmp) rather than counted twice.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -28,6 +31,17 @@ def rollup(pid: int) -> dict | None:
     return found if "pss" in found else None
 
 
+_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def same_memory(pid: int, other: int) -> bool:
+    """Do two processes share one address space?  A vfork child does until it execs: count it once."""
+    if _KCMP is None:
+        return False
+    return _libc.syscall(_KCMP, pid, other, 1, 0, 0) == 0  # KCMP_VM
+
+
 def descendants(pid: int) -> list[int]:
     """Children of every thread, recursively, from /proc (much cheaper than scanning all processes)."""
     found, todo = [], [pid]
@@ -43,8 +57,10 @@ def descendants(pid: int) -> list[int]:
                     kids = [int(k) for k in f.read().split()]
             except OSError:
                 continue
-            found += kids
-            todo += kids
+            for kid in kids:
+                if not same_memory(kid, parent):  # (its memory is its parent's, counted there)
+                    found.append(kid)
+                todo.append(kid)
     return found
 
 
@@ -58,6 +74,7 @@ def _name(pid: int) -> str:
 
 def main(root_pid: int, out: str) -> None:
     peak, at_peak, samples, started = 0, {}, 0, time.perf_counter()
+    names = {}
     while True:
         tick = time.perf_counter()
         root = rollup(root_pid)
@@ -68,13 +85,17 @@ def main(root_pid: int, out: str) -> None:
             found = rollup(pid)
             if found is not None:
                 parts[pid] = found
+                if pid not in names:
+                    names[pid] = _name(pid)
         total = sum(p["pss"] for p in parts.values())
         samples += 1
         if total > peak:
             peak, at_peak = total, parts
         time.sleep(max(0.0, INTERVAL_S - (time.perf_counter() - tick)))
     elapsed = time.perf_counter() - started
-    processes = [{"pid": pid, "cmd": _name(pid), **{k: v / 2**20 for k, v in p.items()}} for pid, p in at_peak.items()]
+    names[root_pid] = "notebook"
+    processes = [{"pid": pid, "cmd": names.get(pid, "?"), **{k: v / 2**20 for k, v in p.items()}}
+                 for pid, p in at_peak.items()]
     with open(out, "w") as f:
         json.dump({"peak_bytes": peak, "peak_processes": processes, "samples": samples,
                    "mean_interval_s": elapsed / max(samples, 1)}, f)

@@ -605,11 +605,9 @@ def start_job(job: Job) -> Job:
         raise
 
 
-def run_job(spec: JobSpec, task: Any, listeners: list[Listener] = (), callbacks: list | tuple = ()) -> list[Any]:
-    job = prepare_job(spec, task, callbacks, on_pool=False)
-    for listener in listeners:
-        job.add_listener(listener)
-    return start_job(job).result()
+def run_job(spec: JobSpec, task: Any, callbacks: list | tuple = ()) -> list[Any]:
+    """Run the task as a fresh job and wait for its per-rank values."""
+    return start_job(prepare_job(spec, task, callbacks, on_pool=False)).result()
 
 
 def _pool():

@@ -163,7 +163,7 @@ class DDPMagics(Magics):
             for note in spec.notes:
                 print(f"ddp_notebook: {note}", file=sys.stderr)
             started = time.time()
-            warm = pool_module.Pool(spec).start()
+            pool_module.Pool(spec).start()
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         where = f"GPUs {','.join(spec.gpus)}" if spec.gpus else "CPU"
@@ -324,8 +324,6 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     dashboard.attach(job)  # shown now, under this cell, with a Stop button
-    if job.group is not None and getattr(job, "pool", None) is not None:
-        job.pool.busy = job
     _background_jobs.append(job)
     return job.run_in_background()
 

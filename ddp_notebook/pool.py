@@ -235,7 +235,6 @@ class Pool:
             raise LaunchError(f"--ranks {bad}: the pool has ranks 0 to {self.spec.world_size - 1}")
         job = launcher.Job(spec, task, group=self.group, targets=targets, relay=relay,
                            on_interrupt=self._interrupted)
-        job.pool = self
         job.add_listener(lambda job, kind, rank, body: setattr(self, "busy", job) if kind == "started" else None)
         job.on_done.append(self._job_ended)
         return job

@@ -270,7 +270,6 @@ def _move_in_place(addr: int, nbytes: int, owner: Any) -> _Moved | None:
     base = addr & ~(_PAGE - 1)
     end = (addr + nbytes + _PAGE - 1) & ~(_PAGE - 1)
     lo = (addr + _PAGE - 1) & ~(_PAGE - 1)
-    hi = (addr + nbytes) & ~(_PAGE - 1)
     try:
         fd = os.memfd_create("ddp_notebook", os.MFD_CLOEXEC)
     except OSError:
@@ -295,7 +294,7 @@ def _fill(rec: _Moved, owner: Any) -> None:
     the file holds a copy of them.
     """
     lib = _libc()
-    addr, base, lo, hi, fd = rec.addr, rec.base, rec.lo, rec.hi, rec.fd
+    addr, base, lo, fd = rec.addr, rec.base, rec.lo, rec.fd
     try:
         if lo > addr:
             _pwrite_from(fd, addr, lo - addr, addr - base)

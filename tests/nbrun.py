@@ -1,11 +1,13 @@
 """Run notebook cells in a real Jupyter kernel (nbclient) and read their outputs."""
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
 import nbformat
 import psutil
+from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
 
@@ -16,6 +18,19 @@ def run_cells(cells: list[str], timeout: int = 120, cwd: str | None = None, allo
                             resources={"metadata": {"path": cwd}} if cwd else {})
     client.execute()
     return nb, client
+
+
+@contextlib.contextmanager
+def kernel(setup: str = "%load_ext ddp_notebook"):
+    """A fresh python3 kernel, ``setup`` run in it; yields (manager, client) and shuts it down afterwards."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        if setup:
+            kc.execute_interactive(setup, timeout=60)
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def text(cell) -> str:

@@ -6,10 +6,8 @@ import time
 
 import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
 
-from conftest import rank_processes
-from nbrun import error, gone, run_cells, run_until_pids, text
+from nbrun import error, gone, kernel, run_cells, run_until_pids, text
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -99,9 +97,7 @@ for step in range(100000):
 
 
 def test_interrupt_stops_every_rank_and_keeps_the_kernel(no_leftovers):
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+    with kernel() as (km, kc):
         for _ in range(2):
             msg_id, pids = run_until_pids(kc, LONG_CELL)
             interrupted = time.time()
@@ -111,23 +107,15 @@ def test_interrupt_stops_every_rank_and_keeps_the_kernel(no_leftovers):
             assert reply["content"]["status"] == "error"
             assert reply["content"]["ename"] == "KeyboardInterrupt"
             assert gone(pids, 5), "ranks survived the interrupt"
-            kernel = psutil.Process(km.provisioner.process.pid)
-            assert [c for c in kernel.children() if c.status() == psutil.STATUS_ZOMBIE] == []
+            kernel_process = psutil.Process(km.provisioner.process.pid)
+            assert [c for c in kernel_process.children() if c.status() == psutil.STATUS_ZOMBIE] == []
             assert time.time() - interrupted < 10
         reply = kc.execute_interactive("print(6 * 7)", timeout=30)
         assert reply["content"]["status"] == "ok"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def test_ranks_exit_when_the_kernel_is_killed(no_leftovers):
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+    with kernel() as (km, kc):
         _, pids = run_until_pids(kc, LONG_CELL)
         os.kill(km.provisioner.process.pid, signal.SIGKILL)
         assert gone(pids, 10), "ranks outlived the kernel"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)

@@ -1,6 +1,7 @@
 """Fault injection, repeated: a launcher is trusted only if it never hangs, never blames the wrong
 rank and never leaves anything behind.  DDP_NOTEBOOK_FAULT_REPEATS raises the counts for a long run
 (the README gives the long run's figures)."""
+import contextlib
 import os
 import re
 import signal
@@ -11,12 +12,11 @@ from multiprocessing.connection import Client
 
 import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 import ddp_notebook
 from ddp_notebook import RankError, launcher, payload
 from conftest import rank_processes
-from nbrun import gone, run_until_pids
+from nbrun import gone, kernel, run_until_pids
 
 REPEATS = int(os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS", "1"))
 pytestmark = pytest.mark.timeout(300 * REPEATS)
@@ -137,21 +137,16 @@ for step in range(1000000):
 
 def test_interrupt_during_training_repeatedly(no_leftovers):
     runs = 10 if os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS") else 2
-    km, kc = start_new_kernel(kernel_name="python3")
     ok = 0
-    try:
-        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
-        kernel = psutil.Process(km.provisioner.process.pid)
+    with kernel() as (km, kc):
+        kernel_process = psutil.Process(km.provisioner.process.pid)
         for _ in range(runs):
             msg_id, pids = run_until_pids(kc, TRAINING_CELL)
             km.interrupt_kernel()
             reply = kc.get_shell_msg(timeout=30)
-            zombies = [c for c in kernel.children() if c.status() == psutil.STATUS_ZOMBIE]
+            zombies = [c for c in kernel_process.children() if c.status() == psutil.STATUS_ZOMBIE]
             ok += reply["content"].get("ename") == "KeyboardInterrupt" and gone(pids, 5) and not zombies
         assert kc.execute_interactive("x = 1", timeout=30)["content"]["status"] == "ok"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
     print(f"interrupt: {ok}/{runs}")
     assert ok == runs
 
@@ -160,24 +155,17 @@ def test_killing_the_kernel_during_training_repeatedly(no_leftovers):
     runs = 10 if os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS") else 2
     ok = 0
     for _ in range(runs):
-        km, kc = start_new_kernel(kernel_name="python3")
-        try:
-            kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+        with kernel() as (km, kc):
             _, pids = run_until_pids(kc, TRAINING_CELL)
             os.kill(km.provisioner.process.pid, signal.SIGKILL)
             ok += gone(pids, 10)
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
     print(f"kernel SIGKILL: {ok}/{runs}")
     assert ok == runs
 
 
 def test_three_kernels_start_jobs_at_once_on_distinct_ports(no_leftovers):
-    kernels = [start_new_kernel(kernel_name="python3") for _ in range(3)]
-    try:
-        for _, kc in kernels:
-            kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+    with contextlib.ExitStack() as stack:
+        kernels = [stack.enter_context(kernel()) for _ in range(3)]
         cell = '%%ddp --cpus 2 --return port\nimport os\nport = int(os.environ["MASTER_PORT"])\nprint("port", port)'
         ids = [kc.execute(cell) for _, kc in kernels]
         ports = []
@@ -188,16 +176,10 @@ def test_three_kernels_start_jobs_at_once_on_distinct_ports(no_leftovers):
                 m["content"].get("text", "").strip()) if m["msg_type"] == "stream" else None)
             assert printed["content"]["status"] == "ok"
         assert len(set(ports)) == 3 and all(p.isdigit() for p in ports)
-    finally:
-        for km, kc in kernels:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
 
 
 def test_an_output_flood_stays_under_jupyters_rate_limits(no_leftovers):
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+    with kernel() as (km, kc):
         msg_id = kc.execute("%%ddp --cpus 2\nfor i in range(200_000):\n    print('flood', i)")
         stamps = []  # (time, bytes) of every output message of the cell
         last_text = ""
@@ -212,9 +194,6 @@ def test_an_output_flood_stays_under_jupyters_rate_limits(no_leftovers):
                 break
         reply = kc.get_shell_msg(timeout=30)
         assert reply["content"]["status"] == "ok"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
     assert "flood 199999" in last_text
     worst_messages = worst_bytes = 0
     for t0, _ in stamps:  # every one-second window that starts at a message

@@ -57,7 +57,6 @@ def _leaves_a_child_holding_stdout():
 
 
 def test_a_child_that_outlives_its_rank_neither_hangs_the_job_nor_survives_it(no_leftovers):
-    import os
     import time
 
     import psutil

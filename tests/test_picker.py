@@ -1,5 +1,4 @@
 """The GPU picker: its widgets and choice in-process, then in a real kernel feeding a %%ddp cell."""
-import json
 import os
 import subprocess
 import sys

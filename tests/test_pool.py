@@ -6,10 +6,8 @@ import time
 
 import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
 
-from conftest import job_dirs, rank_processes
-from nbrun import error, gone, run_cells, text
+from nbrun import error, gone, kernel, run_cells, run_until_pids, text
 from ddp_notebook import pool
 
 pytestmark = pytest.mark.timeout(300)
@@ -147,11 +145,7 @@ def _streams():
 
 
 def test_interrupt_in_a_pool_cell_and_kernel_death_leave_nothing(no_leftovers):
-    from nbrun import run_until_pids
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-        _execute(kc, "%load_ext ddp_notebook\nimport torch")
+    with kernel("%load_ext ddp_notebook\nimport torch") as (km, kc):
         _execute(kc, "%ddp_start --cpus 2")
         _execute(kc, "%%ddp\nimport os\nkept = rank * 10\nprint('PID', os.getpid())")
         msg_id, pids = run_until_pids(kc, TRAIN)
@@ -184,9 +178,6 @@ def test_interrupt_in_a_pool_cell_and_kernel_death_leave_nothing(no_leftovers):
         kernel_pid = km.provisioner.process.pid
         os.kill(kernel_pid, signal.SIGKILL)
         assert gone(pool_pids, 10), "pool ranks outlived the kernel"
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def test_a_background_job_runs_while_other_cells_do(no_leftovers):

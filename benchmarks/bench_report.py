@@ -145,7 +145,9 @@ def rank_side_alone(block_s: float, pairs: int) -> dict:
 
     import torch
 
-    from ddp_notebook import channel, context, report
+    from ddp_notebook import report
+    from ddp_notebook.wire import channel
+    from ddp_notebook.rank import context
 
     mine, theirs = multiprocessing.Pipe()
     sink = multiprocessing.get_context("spawn").Process(target=_receive_all, args=(theirs,), daemon=True)

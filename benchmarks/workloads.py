@@ -167,7 +167,8 @@ def memory_notebook(mode: str, nbytes: int, out: str) -> None:
 def dump_load(nbytes: int, out: str) -> None:
     import subprocess
 
-    from ddp_notebook import payload, sharing
+    from ddp_notebook.wire import payload
+    from ddp_notebook.wire import sharing
 
     ds = make_dataset(nbytes)
     result = {}
@@ -199,7 +200,7 @@ def dump_load(nbytes: int, out: str) -> None:
 def load_once(path: str) -> None:
     import torch  # noqa: F401  (a rank has torch imported before it loads the payload)
 
-    from ddp_notebook import payload
+    from ddp_notebook.wire import payload
 
     started = time.perf_counter()
     task = payload.load(path)

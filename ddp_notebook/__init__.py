@@ -5,14 +5,23 @@ notebook-only parts (IPython magics, widgets, plots) load only when used.
 """
 from __future__ import annotations
 
-from .context import current as rank_context
-from .errors import LaunchError, RankError
-from .metrics import Sum, progress, report
+import logging as _logging
+import os as _os
 
-__version__ = "0.1.0"
+from .rank.context import current as rank_context
+from .wire.errors import DDPNotebookError, JobStopped, LaunchError, RankError
+from .rank.metrics import Sum, progress, report
+from .version import __version__
+
+if _os.environ.get("DDP_NOTEBOOK_DEBUG", "").strip() not in ("", "0"):
+    # The engine's lifecycle (ports, ranks started, messages, exits, clean-up) on stderr: where a hung job is.
+    _logging.basicConfig(format="%(asctime)s ddp_notebook %(message)s")
+    _logging.getLogger("ddp_notebook").setLevel(_logging.DEBUG)
+
 
 __all__ = [
-    "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "rank_context", "load_ipython_extension",
+    "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "JobStopped", "DDPNotebookError",
+    "rank_context", "load_ipython_extension",
     "report", "progress", "Sum",
     "gpu_picker", "export", "follow",
     "distributed_loader", "all_reduce_metrics", "save_checkpoint", "load_checkpoint", "BestCheckpoint",
@@ -28,28 +37,29 @@ _CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "BestCheckpoint", "Lo
 def __getattr__(name):
     # Lazy: the launcher pulls in subprocess and socket handling the ranks never need.
     if name in ("launch", "spawn", "last_job", "Job", "JobSpec"):
-        from . import dashboard, launcher
+        from . import api
+        from .notebook import dashboard
 
         dashboard.install()  # launch() from Python: live metrics as text lines, or widgets in a kernel
-        return getattr(launcher, name)
+        return getattr(api, name)
     if name == "export":  # notebook side: a cell or function as a script for torchrun
-        from .exporting import export
+        from .engine.export import export
 
         return export
     if name == "follow":  # notebook side: the dashboard of a torchrun job, from its metrics files
-        from .following import follow
+        from .notebook.following import follow
 
         return follow
     if name == "gpu_picker":  # notebook side only: imports ipywidgets
-        from .picker import gpu_picker
+        from .notebook.picker import gpu_picker
 
         return gpu_picker
     if name in _DATA_NAMES:
-        from . import data
+        from .rank import data
 
         return getattr(data, name)
     if name in _CHECKPOINT_NAMES:
-        from . import checkpoint
+        from .rank import checkpoint
 
         return getattr(checkpoint, name)
     raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
@@ -57,6 +67,6 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext ddp_notebook``: register the ``%%ddp`` magics."""
-    from .magic import register
+    from .notebook.magic import register
 
     register(ipython)

@@ -12,7 +12,7 @@ def train(x_train, y_train, x_val, y_val, epochs: int = 12, batch_size: int = 32
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
-    from ddp_notebook import rank_context, report
+    from . import rank_context, report
 
     ctx = rank_context()
     device = ctx.device

@@ -22,7 +22,7 @@ def rank_processes():
     for proc in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if "ddp_notebook.worker" in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE \
+            if ("ddp_notebook.rank.worker" in cmd or "ddp_notebook.worker" in cmd) and proc.info["status"] != psutil.STATUS_ZOMBIE \
                     and proc.environ().get("DDP_NOTEBOOK_TEST_TAG") == TEST_TAG:
                 found.append(proc)
         except psutil.Error:

@@ -1,6 +1,6 @@
 """Recorded NVML answers of an 8-GPU server under mixed load, served as a stand-in ``pynvml`` module.
 
-Only the hardware is stood in for: :mod:`ddp_notebook.gpus` calls these the
+Only the hardware is stood in for: :mod:`ddp_notebook.engine.devices` calls these the
 way it calls nvidia-ml-py (same function names, same return shapes), and the
 rest -- psutil lookups of the pids, CUDA_VISIBLE_DEVICES handling, the least
 busy choice -- runs for real.  Inject with ``gpus._nvml_override = server8()``.

@@ -33,6 +33,21 @@ def kernel(setup: str = "%load_ext ddp_notebook"):
         km.shutdown_kernel(now=True)
 
 
+def execute(kc, cells: list[str], timeout: int = 180) -> str:
+    """Run ``cells`` one after the other on a kernel client; what they printed and their tracebacks, as text."""
+    outputs = []
+
+    def collect(msg):
+        if msg["msg_type"] == "stream":
+            outputs.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            outputs.append("\n".join(msg["content"]["traceback"]))
+
+    for cell in cells:
+        kc.execute_interactive(cell, timeout=timeout, output_hook=collect)
+    return "".join(outputs)
+
+
 def text(cell) -> str:
     """Everything a cell printed (streams) plus error tracebacks, as plain text."""
     parts = []

@@ -7,6 +7,8 @@ import pytest
 from browser_support import Browser, JupyterLab, cells, open_notebook, require_browser, run_all_cells, screenshot, \
     wait_for_text, wait_idle
 
+pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
+
 CELLS = [
     "%load_ext ddp_notebook",
     "%%ddp --cpus 2 --background\nimport time\nfrom ddp_notebook import report\n"

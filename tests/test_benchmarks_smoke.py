@@ -7,6 +7,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(240)
 def test_the_memory_dump_and_report_benchmarks_run_and_write_their_tables(tmp_path):

@@ -1,6 +1,9 @@
-"""Checkpoints: resume on real gloo ranks, any wrapping, atomic writes under SIGKILL, best-k bookkeeping."""
+"""Checkpoints: resume on real gloo ranks, any wrapping, atomic writes under SIGKILL or a full disk, best-k
+bookkeeping."""
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 import ddp_notebook
-from ddp_notebook import checkpoint
+from ddp_notebook.rank import checkpoint
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -138,6 +141,7 @@ def runs(tmp_path_factory):
     return workdir, uninterrupted, resumed
 
 
+@pytest.mark.slow
 def test_a_resumed_run_repeats_the_uninterrupted_data_order_and_weights(runs):
     workdir, uninterrupted, resumed = runs
     for rank in range(2):
@@ -156,6 +160,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_data_order_and_weights(runs):
     assert set(os.listdir(workdir)) >= {"mid.pt", "mid.pt.rank0.rng", "mid.pt.rank1.rng"}
 
 
+@pytest.mark.slow
 def test_resuming_names_the_ranks_whose_rng_state_is_missing(runs):
     _, _, resumed = runs
     assert resumed[0]["rank0_only"]["missing"] == [1]
@@ -164,6 +169,7 @@ def test_resuming_names_the_ranks_whose_rng_state_is_missing(runs):
     assert resumed[1]["rank0_only"] == {"missing": [1], "warnings": []}  # said once, by rank 0
 
 
+@pytest.mark.slow
 def test_round_trips_between_plain_ddp_and_compiled_models(runs):
     _, uninterrupted, _ = runs
     for rank in range(2):
@@ -283,6 +289,51 @@ def test_sigkill_between_write_and_rename_leaves_the_previous_checkpoint(tmp_pat
     ddp_notebook.save_checkpoint(path, model, epoch=3)
     assert not os.path.exists(paused["temp"])
     assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt.rank0.rng", "paused.json"]
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 128 KiB tmpfs (root only; CI runs as root, so there a failed mount fails the test)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    ci = os.environ.get("CI", "").lower() == "true"
+    if os.geteuid() != 0:
+        if ci:
+            pytest.fail("CI must run as root to mount the tmpfs this test fills")
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        if ci:
+            pytest.fail(f"cannot mount a tmpfs: {mounted.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_filesystem_is_named_and_the_previous_checkpoint_kept(small_filesystem):
+    path = small_filesystem / "model.pt"
+    small = torch.nn.Linear(4, 2)
+    torch.nn.init.constant_(small.weight, 1.0)
+    ddp_notebook.save_checkpoint(path, small, epoch=1)
+    big = torch.nn.Linear(200, 200)  # about 160 KiB of weights
+    with pytest.raises(OSError) as raised:
+        ddp_notebook.save_checkpoint(path, big, epoch=2)
+    message = str(raised.value)
+    assert raised.value.errno == errno.ENOSPC
+    told = re.search(rf"the filesystem of {re.escape(str(path))} is full: the checkpoint needs ([\d.]+) KiB, "
+                     rf"([\d.]+) KiB are free there", message)
+    assert told, message
+    needed, free = map(float, told.groups())
+    assert needed > 128 > free > 0
+    assert "enforce fail" not in message
+    # The previous checkpoint is whole, and no partial file is left.
+    assert sorted(os.listdir(small_filesystem)) == ["model.pt", "model.pt.rank0.rng"]
+    model = torch.nn.Linear(4, 2)
+    info = ddp_notebook.load_checkpoint(path, model, restore_rng=False)
+    assert info.epoch == 1 and torch.equal(model.weight, torch.full((2, 4), 1.0))
 
 
 def _scored_model(score):

@@ -7,7 +7,8 @@ import time
 import pytest
 
 import ddp_notebook
-from ddp_notebook import LaunchError, RankError, launcher
+from ddp_notebook import LaunchError, RankError
+from ddp_notebook.engine import spec as job_spec
 from conftest import rank_processes
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,6 +74,7 @@ def _fails_on_rank_1():
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that never comes
 
 
+@pytest.mark.slow
 def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_leftovers, monkeypatch):
     # The failing rank closes its process group first and reports 1.5 s later, so rank 0's
     # lost-peer error reaches the notebook first: first-come blame would name rank 0.
@@ -89,6 +91,7 @@ def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_lefto
     assert time.time() - started < 20
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_a_bystander_blocked_in_a_collective(no_leftovers):
     started = time.time()
     with pytest.raises(RankError) as info:
@@ -131,6 +134,7 @@ def _seed_style_train(rank, world_size, scale):
     return t.item() * scale
 
 
+@pytest.mark.slow
 def test_spawn_is_a_drop_in_for_mp_spawn(no_leftovers):
     assert ddp_notebook.spawn(_seed_style_train, args=(2, 10), nprocs=2) == [10.0, 10.0]
     context = ddp_notebook.spawn(_seed_style_train, args=(2, 1), nprocs=2, join=False, daemon=False,
@@ -140,6 +144,7 @@ def test_spawn_is_a_drop_in_for_mp_spawn(no_leftovers):
     assert context.result() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_three_jobs_at_once_get_distinct_ports(no_leftovers):
     results, errors = {}, []
 
@@ -173,7 +178,7 @@ def test_refusals_come_before_any_rank_starts(monkeypatch):
         port = busy.getsockname()[1]
         with pytest.raises(LaunchError, match=f"port {port} is already in use"):
             ddp_notebook.launch(print, cpus=2, port=port)
-    from ddp_notebook import gpus
+    from ddp_notebook.engine import devices as gpus
 
     two = [gpus.GPU(i, "NVIDIA H200", 0, 141 << 30, 0, str(i)) for i in range(2)]
     monkeypatch.setattr(gpus, "discover", lambda: two)
@@ -185,22 +190,20 @@ def test_refusals_come_before_any_rank_starts(monkeypatch):
 
 
 def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch):
-    from ddp_notebook import gpus
+    from ddp_notebook.engine import devices as gpus
 
     inventory = [gpus.GPU(i, "GPU", used << 30, 80 << 30, util, str(i)) for i, (used, util) in
                  enumerate([(70, 90), (1, 0), (40, 50), (1, 10)])]
     monkeypatch.setattr(gpus, "discover", lambda: inventory)
-    spec = launcher.resolve_devices("0,2")
+    spec = job_spec.resolve_devices("0,2")
     assert spec.gpus == ["0", "2"] and spec.world_size == 2 and spec.backend == "nccl"
-    assert launcher.resolve_devices("3,").gpus == ["3"]
-    least = launcher.resolve_devices(2)
+    assert job_spec.resolve_devices("3,").gpus == ["3"]
+    least = job_spec.resolve_devices(2)
     assert least.gpus == ["1", "3"] and "least busy" in least.notes[0]
-    assert launcher.resolve_devices(None).world_size == 4
-    assert launcher.resolve_devices(2, backend="gloo").backend == "gloo"
-    from ddp_notebook.ranks import RankGroup
+    assert job_spec.resolve_devices(None).world_size == 4
+    assert job_spec.resolve_devices(2, backend="gloo").backend == "gloo"
+    from ddp_notebook.engine.backend import rank_environment
 
-    group = RankGroup(least, None)
-    group.port = 1234
-    env = group.rank_env(1)
+    env = rank_environment(least, 1234, 1, 1, 2)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["LOCAL_RANK"] == "1"

@@ -9,7 +9,7 @@ import pytest
 
 from nbrun import error, gone, kernel, run_cells, run_until_pids, text
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.kernel]
 
 SETUP = '''import torch
 class Net(torch.nn.Module):

@@ -14,7 +14,7 @@ import pytest
 
 from browser_support import (ROOT, Browser, JupyterLab, open_notebook, require_browser, run_all_cells, screenshot,
                              wait_for_text, wait_idle)
-from ddp_notebook.dashboard import WIDGET_TEXT
+from ddp_notebook.notebook.dashboard import WIDGET_TEXT
 
 QUICKSTART = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 
@@ -37,6 +37,9 @@ FIGURE_COUNTS = "() => Object.fromEntries(Object.entries(window.ddpFigures).map(
 
 
 @pytest.mark.timeout(170)
+@pytest.mark.slow
+@pytest.mark.kernel
+@pytest.mark.browser
 def test_quickstart_shows_a_live_widget_dashboard(tmp_path):
     require_browser()
     if not os.path.exists(QUICKSTART):

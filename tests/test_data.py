@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ddp_notebook
-from ddp_notebook import data
+from ddp_notebook.rank import data
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,7 +152,33 @@ def test_all_reduce_metrics_outside_a_job_is_the_identity():
         ddp_notebook.all_reduce_metrics(sums={"x": 1}, means={"x": 2})
 
 
-def test_the_loader_feeds_the_dashboard_progress_when_metrics_is_installed():
-    from ddp_notebook import metrics
+class _Sender:
+    """Stands in for a rank's channel to the notebook: records what would be sent."""
 
-    assert data._progress_reporter() is metrics.progress
+    def __init__(self):
+        self.sent = []
+
+    def send(self, kind, body=None):
+        self.sent.append((kind, body))
+
+
+def test_in_a_rank_the_loader_sends_its_progress_to_the_notebook(monkeypatch):
+    from ddp_notebook.rank import context
+    from ddp_notebook.rank import metrics
+
+    monkeypatch.setattr(metrics, "PROGRESS_INTERVAL_S", 0.0)  # no throttling: every call is sent
+    monkeypatch.setattr(metrics, "_last_progress_sent", float("-inf"))
+    sender = _Sender()
+    context.set_current(context.RankContext(rank=1, local_rank=1, world_size=2, local_world_size=2, sender=sender))
+    try:
+        dataset, _ = _samples()
+        loader = ddp_notebook.distributed_loader(dataset, batch_size=100)
+        assert len(loader) == 6  # rank 1's share: 501 of 1,001 samples
+        for batch_number, _ in enumerate(loader, start=1):  # sent as each batch is handed out, not at the end
+            assert sender.sent[-1] == ("progress", {"done": batch_number - 1, "total": 6})
+        assert sender.sent == [("progress", {"done": done, "total": 6}) for done in range(7)]
+        sender.sent.clear()
+        list(ddp_notebook.distributed_loader(dataset, batch_size=100, progress=False))
+        assert sender.sent == []
+    finally:
+        context.set_current(None)

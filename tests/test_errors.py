@@ -1,5 +1,5 @@
 """Which failure is the cause: the classification and blame rules, without processes."""
-from ddp_notebook.errors import Failure, blame, classify
+from ddp_notebook.wire.errors import Failure, blame, classify
 
 
 class DistBackendError(RuntimeError):  # the name torch.distributed gives its backend errors

@@ -14,12 +14,15 @@ import psutil
 import pytest
 
 import ddp_notebook
-from ddp_notebook import RankError, launcher, payload
+from ddp_notebook import RankError
+from ddp_notebook.engine import spec as job_spec
+from ddp_notebook.engine import job as engine_job
+from ddp_notebook.wire import payload
 from conftest import rank_processes
 from nbrun import gone, kernel, run_until_pids
 
 REPEATS = int(os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS", "1"))
-pytestmark = pytest.mark.timeout(300 * REPEATS)
+pytestmark = [pytest.mark.timeout(300 * REPEATS), pytest.mark.slow]  # kernel tests are marked one by one
 
 
 def _blocked_bystanders():
@@ -88,9 +91,9 @@ def _skips_a_collective():
 
 def test_a_skipped_collective_ends_at_the_timeout_naming_the_stuck_ranks(no_leftovers):
     timeout = 3
-    spec = launcher.resolve_devices(cpus=3)
+    spec = job_spec.resolve_devices(cpus=3)
     spec.timeout = timeout
-    job = launcher.Job(spec, payload.dumps(payload.CallTask(_skips_a_collective, (), {}, False, payload.Sources())))
+    job = engine_job.Job(spec, payload.dumps(payload.CallTask(_skips_a_collective, (), {}, False, payload.Sources())))
     loaded_at = []  # rank 1 finished the task: every rank has loaded it, ranks 0 and 2 are in the collective
     job.add_listener(lambda job, kind, rank, body: loaded_at.append(time.time()) if kind == "result" else None)
     with pytest.raises(RankError) as info:
@@ -135,6 +138,7 @@ for step in range(1000000):
     time.sleep(0.005)'''
 
 
+@pytest.mark.kernel
 def test_interrupt_during_training_repeatedly(no_leftovers):
     runs = 10 if os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS") else 2
     ok = 0
@@ -151,6 +155,7 @@ def test_interrupt_during_training_repeatedly(no_leftovers):
     assert ok == runs
 
 
+@pytest.mark.kernel
 def test_killing_the_kernel_during_training_repeatedly(no_leftovers):
     runs = 10 if os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS") else 2
     ok = 0
@@ -163,6 +168,7 @@ def test_killing_the_kernel_during_training_repeatedly(no_leftovers):
     assert ok == runs
 
 
+@pytest.mark.kernel
 def test_three_kernels_start_jobs_at_once_on_distinct_ports(no_leftovers):
     with contextlib.ExitStack() as stack:
         kernels = [stack.enter_context(kernel()) for _ in range(3)]
@@ -178,6 +184,7 @@ def test_three_kernels_start_jobs_at_once_on_distinct_ports(no_leftovers):
         assert len(set(ports)) == 3 and all(p.isdigit() for p in ports)
 
 
+@pytest.mark.kernel
 def test_an_output_flood_stays_under_jupyters_rate_limits(no_leftovers):
     with kernel() as (km, kc):
         msg_id = kc.execute("%%ddp --cpus 2\nfor i in range(200_000):\n    print('flood', i)")
@@ -211,18 +218,18 @@ def _quiet():
 
 
 def test_the_channel_refuses_strangers_and_the_payload_is_private(no_leftovers):
-    spec = launcher.resolve_devices(cpus=2)
-    job = launcher.Job(spec, payload.dumps(payload.CallTask(_quiet, (), {}, False, payload.Sources()))).start()
+    spec = job_spec.resolve_devices(cpus=2)
+    job = engine_job.Job(spec, payload.dumps(payload.CallTask(_quiet, (), {}, False, payload.Sources()))).start()
     try:
         mode = stat.S_IMODE(os.stat(job.workdir).st_mode)
         assert mode == 0o700
         for name in os.listdir(job.workdir):
             assert stat.S_IMODE(os.stat(os.path.join(job.workdir, name)).st_mode) & 0o077 == 0
         with pytest.raises(Exception):  # wrong key: refused during the handshake
-            Client(job.group._channel.address, family="AF_INET", authkey=b"not the key")
+            Client(job.group.channel.address, family="AF_INET", authkey=b"not the key")
         import socket
 
-        channel = job.group._channel
+        channel = job.group.channel
         with socket.create_connection(channel.address) as raw:  # no key at all: a forged message
             raw.sendall(b"\x00\x00\x00\x10" + b"x" * 16)
             time.sleep(0.3)
@@ -256,16 +263,20 @@ BAD_INPUTS = [
     ("--cpus 2", "with lock:\n    pass", "cannot send 'lock' (lock) to the ranks"),
     ("--cpus 2", "next(numbers)", "cannot send 'numbers' (generator) to the ranks"),
     ("--cpus 2", "sock.getsockname()", "cannot send 'sock' (socket) to the ranks"),
+    ("--cpus 2", "report(epoch=1)", "the cell reads report (line 2), which nothing defines"),
 ]
 
 
+@pytest.mark.kernel
 def test_bad_inputs_each_get_one_clear_message_and_start_nothing(no_leftovers):
     from nbrun import run_cells, text
 
     setup = "import socket, threading\nlock = threading.Lock()\nnumbers = (i for i in range(3))\nsock = socket.socket()"
     cells = ["%load_ext ddp_notebook", setup] + [f"%%ddp {flags}\n{body}" for flags, body, _ in BAD_INPUTS]
     cells.append("import ddp_notebook\nprint('jobs started:', ddp_notebook.last_job())")
-    cells += ["%%ddp --cpus 2 --return a,never\na = 5", "print(a)", "%%ddp --cpus 2\nprint(undefined_name)"]
+    cells += ["%%ddp --cpus 2 --return a,never\na = 5", "print(a)",
+              # a NameError the magic's check cannot see coming
+              "%%ddp --cpus 2\nundefined_name = 1\ndel undefined_name\nprint(undefined_name)"]
     nb, _ = run_cells(cells, timeout=180)
     answered = nb.cells[2:2 + len(BAD_INPUTS)]
     for cell, (flags, body, expected) in zip(answered, BAD_INPUTS):

@@ -12,7 +12,9 @@ import types
 import pytest
 
 import fake_nvml
-from ddp_notebook import LaunchError, gpus, launcher
+from ddp_notebook import LaunchError
+from ddp_notebook.engine import devices as gpus
+from ddp_notebook.engine import spec as job_spec
 from ddp_notebook.__main__ import main as cli_main
 
 pytestmark = pytest.mark.timeout(30)
@@ -26,7 +28,7 @@ def server(monkeypatch):
     fake = fake_nvml.server8()
     monkeypatch.setattr(gpus, "_nvml_override", fake)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(launcher, "_default_devices", None)
+    monkeypatch.setattr(job_spec, "_default_devices", None)
     return fake
 
 
@@ -70,14 +72,14 @@ def test_cuda_visible_devices_indices_are_renumbered_and_ranks_get_uuids(server,
     assert [g.visible_id for g in found] == [fake_nvml.UUIDS[5], fake_nvml.UUIDS[2], fake_nvml.UUIDS[7]]
     assert found[0].utilization == 3 and found[1].utilization == 55
     # Indices the user types are relative to the kernel's view...
-    spec = launcher.resolve_devices("0,2")
+    spec = job_spec.resolve_devices("0,2")
     assert spec.gpus == [fake_nvml.UUIDS[5], fake_nvml.UUIDS[7]] and spec.world_size == 2
     # ...and a count takes the least busy of the visible ones (5: 68 GiB free, then 7: 60 GiB).
-    spec = launcher.resolve_devices(2)
+    spec = job_spec.resolve_devices(2)
     assert spec.gpus == [fake_nvml.UUIDS[5], fake_nvml.UUIDS[7]]
     assert "using the 2 least busy GPUs: 0 (12.0/80 GiB, 3%), 2 (20.0/80 GiB, 88%)" in spec.notes[0]
     with pytest.raises(LaunchError, match=r"GPU 3 not found; this machine has 3: 0: NVIDIA A100"):
-        launcher.resolve_devices("3,")
+        job_spec.resolve_devices("3,")
 
 
 def test_cuda_visible_devices_uuids_prefixes_and_cuda_s_stop_rule(server, monkeypatch):
@@ -91,14 +93,14 @@ def test_cuda_visible_devices_uuids_prefixes_and_cuda_s_stop_rule(server, monkey
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
         assert [g.physical_index for g in gpus.discover()] == physical, value
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
-    spec = launcher.resolve_devices()
-    assert spec.gpus is None and spec.world_size == launcher.DEFAULT_CPU_RANKS and spec.backend == "gloo"
+    spec = job_spec.resolve_devices()
+    assert spec.gpus is None and spec.world_size == job_spec.DEFAULT_CPU_RANKS and spec.backend == "gloo"
 
 
 def test_ranks_of_our_jobs_are_found_by_pid_and_named(server, monkeypatch):
     env = dict(os.environ, DDP_NOTEBOOK_RANK="1")
     # A real rank process, still waiting for its bootstrap on stdin: found by its pid, never by name.
-    rank = subprocess.Popen([sys.executable, "-m", "ddp_notebook.worker"], stdin=subprocess.PIPE,
+    rank = subprocess.Popen([sys.executable, "-m", "ddp_notebook.rank.worker"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.server8(extra_processes={4: [rank.pid], 1: [os.getpid()]}))
@@ -114,7 +116,7 @@ def test_ranks_of_our_jobs_are_found_by_pid_and_named(server, monkeypatch):
         assert [g.index for g in found if g.our_ranks] == [4]
         text = gpus.table(found, "NVML")
         assert "GPU 4 already run a ddp_notebook job." in text
-        spec = launcher.resolve_devices("4,")
+        spec = job_spec.resolve_devices("4,")
         assert spec.notes == ["already running a ddp_notebook job: GPU 4: "
                               "ddp_notebook job of this notebook (rank 1); 1 other process"]
     finally:
@@ -152,61 +154,61 @@ def test_a_machine_without_driver_reports_no_gpu_and_why(monkeypatch):
 
 
 def test_resolve_devices_counts_lists_and_refusals(server):
-    spec = launcher.resolve_devices(3)
+    spec = job_spec.resolve_devices(3)
     assert spec.world_size == 3 and spec.gpus == ["1", "3", "6"] and spec.backend == "nccl"
     assert spec.notes == ["using the 3 least busy GPUs: 1 (0.0/80 GiB, 2%), 3 (0.0/80 GiB, 0%), 6 (0.5/80 GiB, 0%)"]
-    everything = launcher.resolve_devices("8")
+    everything = job_spec.resolve_devices("8")
     assert everything.gpus == [str(i) for i in range(8)] and everything.notes == []
-    assert launcher.resolve_devices("0,2,5").gpus == ["0", "2", "5"]
-    assert launcher.resolve_devices("5,0").gpus == ["5", "0"]  # rank r gets the r-th listed GPU
-    assert launcher.resolve_devices("3,").gpus == ["3"] and launcher.resolve_devices("3,").world_size == 1
-    assert launcher.resolve_devices([7]).gpus == ["7"]
-    assert launcher.resolve_devices(2, backend="gloo").backend == "gloo"
-    assert launcher.resolve_devices().gpus == [str(i) for i in range(8)]  # no flag, no picker: every GPU
+    assert job_spec.resolve_devices("0,2,5").gpus == ["0", "2", "5"]
+    assert job_spec.resolve_devices("5,0").gpus == ["5", "0"]  # rank r gets the r-th listed GPU
+    assert job_spec.resolve_devices("3,").gpus == ["3"] and job_spec.resolve_devices("3,").world_size == 1
+    assert job_spec.resolve_devices([7]).gpus == ["7"]
+    assert job_spec.resolve_devices(2, backend="gloo").backend == "gloo"
+    assert job_spec.resolve_devices().gpus == [str(i) for i in range(8)]  # no flag, no picker: every GPU
     with pytest.raises(LaunchError) as too_many:
-        launcher.resolve_devices(9)
+        job_spec.resolve_devices(9)
     message = str(too_many.value)
     assert message.startswith("9 GPUs asked for, but this machine has 8: 0: NVIDIA A100-SXM4-80GB (71.3/80 GiB, 97%)")
     assert "7: NVIDIA A100-SXM4-80GB (20.0/80 GiB, 88%)" in message
     with pytest.raises(LaunchError, match=r"GPU 8, 9 not found; this machine has 8: 0: NVIDIA"):
-        launcher.resolve_devices("1,8,9")
+        job_spec.resolve_devices("1,8,9")
     with pytest.raises(LaunchError, match="lists a GPU twice"):
-        launcher.resolve_devices("1,1")
+        job_spec.resolve_devices("1,1")
     with pytest.raises(LaunchError, match="give a count"):
-        launcher.resolve_devices("two")
+        job_spec.resolve_devices("two")
     with pytest.raises(LaunchError, match="at least 1"):
-        launcher.resolve_devices(0)
+        job_spec.resolve_devices(0)
     with pytest.raises(LaunchError, match="no GPU index"):
-        launcher.resolve_devices(",")
+        job_spec.resolve_devices(",")
     with pytest.raises(LaunchError, match="nccl backend needs GPUs"):
-        launcher.resolve_devices(cpus=2, backend="nccl")
+        job_spec.resolve_devices(cpus=2, backend="nccl")
     with pytest.raises(LaunchError, match="either gpus or cpus"):
-        launcher.resolve_devices(2, cpus=2)
+        job_spec.resolve_devices(2, cpus=2)
 
 
 def test_no_gpus_means_two_cpu_ranks_and_no_nccl(monkeypatch):
     monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.FakeNVML(rows=[]))
-    monkeypatch.setattr(launcher, "_default_devices", None)
-    spec = launcher.resolve_devices()
+    monkeypatch.setattr(job_spec, "_default_devices", None)
+    spec = job_spec.resolve_devices()
     assert (spec.world_size, spec.gpus, spec.backend) == (2, None, "gloo")
     with pytest.raises(LaunchError, match="this machine has none"):
-        launcher.resolve_devices(backend="nccl")
+        job_spec.resolve_devices(backend="nccl")
     with pytest.raises(LaunchError, match="1 GPUs asked for, but this machine has 0: no GPUs"):
-        launcher.resolve_devices(1)
+        job_spec.resolve_devices(1)
 
 
 def test_default_devices_from_the_picker_and_explicit_flags_win(server):
-    launcher.set_default_devices(lambda: ("gpus", [6, 1]))
-    spec = launcher.resolve_devices()
+    job_spec.set_default_devices(lambda: ("gpus", [6, 1]))
+    spec = job_spec.resolve_devices()
     assert spec.gpus == ["6", "1"] and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [6, 1]"]
-    assert launcher.resolve_devices(cpus=3).world_size == 3  # explicit flags win
-    assert launcher.resolve_devices("2,").gpus == ["2"]
-    launcher.set_default_devices(lambda: None)  # a picker with no opinion
-    assert launcher.resolve_devices().world_size == 8
-    launcher.set_default_devices(None)
-    assert launcher._default_devices is None
-    assert launcher.resolve_devices().world_size == 8
+    assert job_spec.resolve_devices(cpus=3).world_size == 3  # explicit flags win
+    assert job_spec.resolve_devices("2,").gpus == ["2"]
+    job_spec.set_default_devices(lambda: None)  # a picker with no opinion
+    assert job_spec.resolve_devices().world_size == 8
+    job_spec.set_default_devices(None)
+    assert job_spec._default_devices is None
+    assert job_spec.resolve_devices().world_size == 8
 
 
 def test_cli_prints_the_table(server, capsys):

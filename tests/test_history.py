@@ -3,7 +3,7 @@ import csv
 
 import pytest
 
-from ddp_notebook.history import History, Reducer
+from ddp_notebook.engine.history import History, Reducer
 
 pytestmark = pytest.mark.timeout(10)
 

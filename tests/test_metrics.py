@@ -11,9 +11,11 @@ import warnings
 import numpy as np
 import pytest
 
-from ddp_notebook import context, dashboard, metrics
-from ddp_notebook.callbacks import Forwarder, TensorBoard, WandB, resolve
-from ddp_notebook.launcher import JobSpec
+from ddp_notebook.rank import context
+from ddp_notebook.notebook import dashboard
+from ddp_notebook.rank import metrics
+from ddp_notebook.engine.callbacks import Forwarder, TensorBoard, WandB, resolve
+from ddp_notebook.engine.spec import JobSpec
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -96,7 +98,7 @@ def test_progress_is_throttled_in_the_rank_but_keeps_the_last(in_rank, monkeypat
 
 
 class FakeJob:
-    """What the watcher reads of a launcher.Job."""
+    """What the watcher reads of a Job."""
 
     def __init__(self, world_size, callbacks=()):
         self.spec = JobSpec(world_size=world_size)
@@ -106,7 +108,7 @@ class FakeJob:
         self.history = []
         self.callbacks = list(callbacks)
         self.done = False
-        self._outcome = None
+        self.status = "running"
 
     def add_listener(self, listener):
         self.listeners.append(listener)
@@ -116,7 +118,7 @@ class FakeJob:
             listener(self, kind, rank, body)
 
     def end(self, ok=True):
-        self._outcome = ("ok", []) if ok else ("error", RuntimeError("x"))
+        self.status = "done" if ok else "failed"
         self.done, self.ended_at = True, time.time()
         self.emit("ended", -1, {"ok": ok})
 
@@ -222,7 +224,7 @@ def test_figure_renders_panels_and_thins_long_curves():
 def test_status_line_and_eta():
     status = dashboard.Status(world_size=2, started_at=100.0)
     assert status.line(None, 101.0) == "starting: 0/2 ranks ready · 0:01 elapsed"
-    from ddp_notebook.history import Reducer
+    from ddp_notebook.engine.history import Reducer
 
     reducer = Reducer(2)
     for rank in (0, 1):

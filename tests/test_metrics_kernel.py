@@ -9,6 +9,8 @@ import pytest
 
 from nbrun import run_cells, text
 
+pytestmark = pytest.mark.slow  # the kernel test is marked too
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -66,6 +68,7 @@ print("GOT", json.dumps({got}))
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.kernel
 def test_metrics_in_a_real_kernel(tmp_path, no_leftovers):
     tensorboard, csv_path = tmp_path / "tb", tmp_path / "history.csv"
     cells = [

@@ -4,8 +4,9 @@ import io
 import pytest
 
 import ddp_notebook
-from ddp_notebook import launcher
-from ddp_notebook.output import OutputRelay
+from ddp_notebook.engine import spec as job_spec
+from ddp_notebook.engine import job as engine_job
+from ddp_notebook.engine.output import OutputRelay
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,6 +57,7 @@ def _leaves_a_child_holding_stdout():
     return subprocess.Popen(["sleep", "60"]).pid  # inherits the rank's stdout and stderr
 
 
+@pytest.mark.slow
 def test_a_child_that_outlives_its_rank_neither_hangs_the_job_nor_survives_it(no_leftovers):
     import time
 
@@ -86,11 +88,12 @@ def _flood():
     return "done"
 
 
+@pytest.mark.slow
 def test_a_flooding_rank_completes_and_shows_its_last_line(no_leftovers):
     out = io.StringIO()
-    spec = launcher.resolve_devices(cpus=2)
-    job = launcher.Job(spec, ddp_notebook.payload.dumps(ddp_notebook.payload.CallTask(_flood, (), {}, False,
-                                                                                     ddp_notebook.payload.Sources())),
+    spec = job_spec.resolve_devices(cpus=2)
+    job = engine_job.Job(spec, ddp_notebook.wire.payload.dumps(ddp_notebook.wire.payload.CallTask(_flood, (), {}, False,
+                                                                                     ddp_notebook.wire.payload.Sources())),
                        relay=OutputRelay(out, io.StringIO()))
     assert job.start().result() == ["done", "done"]
     shown = out.getvalue()

@@ -7,7 +7,10 @@ import pytest
 
 import fake_nvml
 from conftest import ROOT
-from ddp_notebook import LaunchError, gpus, launcher, picker
+from ddp_notebook import LaunchError
+from ddp_notebook.engine import devices as gpus
+from ddp_notebook.engine import spec as job_spec
+from ddp_notebook.notebook import picker
 from nbrun import run_cells, text
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -16,7 +19,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture
 def clean_defaults(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(launcher, "_default_devices", None)
+    monkeypatch.setattr(job_spec, "_default_devices", None)
     monkeypatch.setattr(picker, "_active", None)
 
 
@@ -34,21 +37,21 @@ def test_picker_on_the_8_gpu_server_ticks_free_gpus_and_feeds_the_launcher(clean
     assert "NVIDIA A100-SXM4-80GB" in row0 and "71.3/80 GiB, 97%" in row0 and "2 other processes" in row0
     assert "NVML, driver 550.54.15" in panel.header.value
 
-    spec = launcher.resolve_devices()
+    spec = job_spec.resolve_devices()
     assert spec.gpus == ["1", "3", "6"] and spec.world_size == 3 and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [1, 3, 6]"]
     panel.checkboxes[6].value = False
     panel.checkboxes[0].value = True
-    assert launcher.resolve_devices().gpus == ["0", "1", "3"]
+    assert job_spec.resolve_devices().gpus == ["0", "1", "3"]
     assert "<b>3 ranks</b> on GPU 0, 1, 3" in panel.summary.value
-    assert launcher.resolve_devices(cpus=2).gpus is None  # explicit flags win
-    assert launcher.resolve_devices(2).gpus == ["1", "3"]
+    assert job_spec.resolve_devices(cpus=2).gpus is None  # explicit flags win
+    assert job_spec.resolve_devices(2).gpus == ["1", "3"]
 
     for box in panel.checkboxes.values():
         box.value = False
     assert panel.selection is None and "No GPU ticked" in panel.summary.value
     with pytest.raises(LaunchError, match="the GPU picker has no GPU ticked"):
-        launcher.resolve_devices()
+        job_spec.resolve_devices()
 
     # Refresh: new readings, the user's ticks stay.
     panel.checkboxes[4].value = True
@@ -63,7 +66,7 @@ def test_picker_on_the_8_gpu_server_ticks_free_gpus_and_feeds_the_launcher(clean
 
 @pytest.mark.timeout(30)
 def test_picker_marks_gpus_running_a_job_of_ours(clean_defaults, monkeypatch):
-    rank = subprocess.Popen([sys.executable, "-m", "ddp_notebook.worker"], stdin=subprocess.PIPE,
+    rank = subprocess.Popen([sys.executable, "-m", "ddp_notebook.rank.worker"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, DDP_NOTEBOOK_RANK="0"))
     try:
@@ -87,10 +90,10 @@ def test_picker_without_gpus_offers_cpu_ranks_and_a_newer_panel_takes_over(clean
     first = picker.gpu_picker()
     assert first.header.value.startswith("<b>No GPU on this machine</b>")
     assert first.rows.children == (first.cpu_ranks,)
-    assert first.selection == ("cpus", 2) and launcher.resolve_devices().world_size == 2
+    assert first.selection == ("cpus", 2) and job_spec.resolve_devices().world_size == 2
     first.cpu_ranks.value = 5
     assert "<b>5 CPU ranks</b> (gloo)" in first.summary.value
-    spec = launcher.resolve_devices()
+    spec = job_spec.resolve_devices()
     assert (spec.world_size, spec.gpus, spec.backend) == (5, None, "gloo")
     assert spec.notes == ["using the cpus chosen in the GPU picker: 5"]
 
@@ -98,10 +101,10 @@ def test_picker_without_gpus_offers_cpu_ranks_and_a_newer_panel_takes_over(clean
     assert second.cpu_ranks.value == 5 and picker.active_picker() is second
     assert "newer GPU picker" in first.summary.value
     first.cpu_ranks.value = 7  # the old panel no longer decides
-    assert launcher.resolve_devices().world_size == 5
+    assert job_spec.resolve_devices().world_size == 5
     second.close()
-    assert picker.active_picker() is None and launcher._default_devices is None
-    assert launcher.resolve_devices().world_size == launcher.DEFAULT_CPU_RANKS
+    assert picker.active_picker() is None and job_spec._default_devices is None
+    assert job_spec.resolve_devices().world_size == job_spec.DEFAULT_CPU_RANKS
 
 
 def _widget_models(client):
@@ -110,22 +113,24 @@ def _widget_models(client):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
+@pytest.mark.kernel
 def test_cpu_picker_choice_feeds_the_next_ddp_cell_in_a_real_kernel(no_leftovers):
     nb, client = run_cells([
         f"import sys; sys.path.insert(0, {TESTS!r})\n"
         "import fake_nvml\n"
-        "from ddp_notebook import gpus, launcher\n"
+        "from ddp_notebook.engine import devices as gpus, spec as job_spec\n"
         "gpus._nvml_override = fake_nvml.FakeNVML(rows=[])  # a machine without GPUs, whatever this one has\n"
         "%load_ext ddp_notebook",
         "%ddp_gpus",
         # The user sets 3 CPU ranks in the panel (here through the widget's value, as a click would).
-        "from ddp_notebook import picker\n"
+        "from ddp_notebook.notebook import picker\n"
         "panel = picker.active_picker()\n"
         "panel.cpu_ranks.value = 3\n"
         "print('selection', panel.selection)",
         "%%ddp\nimport torch.distributed as dist\nprint('world_size', world_size, dist.get_world_size(), 'rank', rank)",
         "%%ddp --cpus 2\nprint('explicit', world_size)",
-        "%ddp_gpus off\nprint('default after off:', launcher._default_devices)",
+        "%ddp_gpus off\nprint('default after off:', job_spec._default_devices)",
     ], timeout=120, cwd=ROOT, allow_errors=False)
     cells = nb.cells
     views = [o for o in cells[1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]

@@ -17,16 +17,18 @@ from browser_support import (Browser, JupyterLab, cells, open_notebook, require_
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
+pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
+
 
 def _write_notebook(path: str) -> None:
     cells = [
         f"import sys; sys.path.insert(0, {TESTS!r})\n"
         "import fake_nvml\n"
-        "from ddp_notebook import gpus, launcher\n"
+        "from ddp_notebook.engine import devices as gpus, spec as job_spec\n"
         "gpus._nvml_override = fake_nvml.server8()  # the recorded 8x A100 server\n"
         "%load_ext ddp_notebook",
         "%ddp_gpus",
-        "spec = launcher.resolve_devices()\nprint('DEFAULT', spec.world_size, ','.join(spec.gpus), spec.backend)",
+        "spec = job_spec.resolve_devices()\nprint('DEFAULT', spec.world_size, ','.join(spec.gpus), spec.backend)",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

@@ -9,6 +9,8 @@ from nbclient import NotebookClient
 from conftest import ROOT
 from nbrun import error, text
 
+pytestmark = [pytest.mark.slow, pytest.mark.kernel]
+
 NOTEBOOK = os.path.join(ROOT, "notebooks", "seed_recipe.ipynb")
 
 

@@ -1,7 +1,10 @@
 """Big tensors and arrays reach the ranks through shared memory, mapped copy-on-write, and nothing is left behind."""
+import functools
 import gc
 import os
 import tempfile
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -10,9 +13,32 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import ddp_notebook
-from ddp_notebook import launcher, payload, sharing
+from ddp_notebook.engine import spec as job_spec
+from ddp_notebook.engine import job as engine_job
+from ddp_notebook.wire import payload
+from ddp_notebook.wire import sharing
 
 pytestmark = pytest.mark.timeout(60)
+
+
+
+def in_a_fresh_process(test):
+    """Run a test that moves a block in a new Python, as a fresh notebook.
+
+    Whether glibc gives a 40 MiB block a mapping of its own (so that it is moved, not copied) depends on what the
+    process freed before: after big blocks are freed it keeps up to 64 MiB free in its heap and serves large requests
+    from there.  Copying such a block is correct; these tests are about moving.
+    """
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get("DDP_NOTEBOOK_TEST_FRESH") == test.__name__:
+            return test(*args, **kwargs)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test.__name__}"]
+        fresh = {**os.environ, "DDP_NOTEBOOK_TEST_FRESH": test.__name__, "DDP_NOTEBOOK_TEST_TMPDIR": ""}
+        out = subprocess.run(command, env=fresh, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+
+    return run
 
 MIB = 1 << 20
 
@@ -63,6 +89,8 @@ def _everywhere(ds, table, custom):
     return found
 
 
+@pytest.mark.slow
+@in_a_fresh_process
 def test_big_arrays_anywhere_reach_every_rank_without_riding_in_the_payload(no_leftovers, sent):
     class Images(Dataset):  # defined here: travels by value, like a notebook class
         def __init__(self, images):
@@ -111,6 +139,7 @@ def _scribble(ds, arr):
     return seen
 
 
+@pytest.mark.slow
 def test_a_rank_writing_changes_neither_the_notebook_nor_another_rank(no_leftovers, sent):
     x = torch.ones(1024, 1024)
     arr = np.full(MIB // 4, 2.0, dtype=np.float32)
@@ -127,6 +156,7 @@ def _where_mapped(arr):
     return float(arr.sum()), [line.split(None, 5)[-1].strip() for line in lines]
 
 
+@pytest.mark.slow
 def test_without_room_in_memory_a_deleted_file_on_disk_is_used(no_leftovers, sent, monkeypatch):
     monkeypatch.setenv("DDP_NOTEBOOK_SHM_LIMIT", "0")  # shared memory "too small": nothing fits
     monkeypatch.setenv("DDP_NOTEBOOK_SHARE_INPLACE", "0")
@@ -165,13 +195,14 @@ def _fails(ds):
 
 
 def _forever(ds):
-    import ddp_notebook.context
+    import ddp_notebook.rank.context
 
-    ddp_notebook.context.send("sharing-test-alive", {})
+    ddp_notebook.rank.context.send("sharing-test-alive", {})
     while True:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_nothing_is_left_after_success_failure_and_interrupt(no_leftovers, monkeypatch):
     # Copies (a view) and moved storages both; the moved one again with its own memfd each run.
     before_files, before_fds = _shm_and_tmp(), _fds()
@@ -180,7 +211,7 @@ def test_nothing_is_left_after_success_failure_and_interrupt(no_leftovers, monke
     assert ddp_notebook.launch(len, (ds,), cpus=2) == [10240, 10240]
     with pytest.raises(ddp_notebook.RankError, match="rank one is broken"):
         ddp_notebook.launch(_fails, (ds,), cpus=2)
-    job = launcher.Job(launcher.resolve_devices(cpus=2), payload.dumps(payload.CallTask(
+    job = engine_job.Job(job_spec.resolve_devices(cpus=2), payload.dumps(payload.CallTask(
         _forever, (ds,), {}, False, payload.Sources()))).start().run_in_background()
     seen = []
     job.add_listener(lambda job, kind, rank, body: seen.append(kind))
@@ -200,12 +231,21 @@ def test_nothing_is_left_after_success_failure_and_interrupt(no_leftovers, monke
 # -- in the notebook process ---------------------------------------------------------------------
 
 
+def _why_not_moved(t) -> dict:
+    maps = sharing._Maps()
+    addr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    return {"can_move": sharing._can_move(), "foreign": maps.foreign_allocator, "vmas": len(maps.vmas),
+            "own": sharing._own_mapping(maps, addr, nbytes), "record": sharing._moved.get(addr),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("DDP_NOTEBOOK", "MALLOC"))}}
+
+
+@in_a_fresh_process
 def test_moving_in_place_keeps_aliases_and_the_next_job_shares_without_copying():
     x = torch.randn(40 * MIB // 4)
     alias = x.numpy()  # numpy's view of the same memory must stay valid
     expected = x.clone()
     first = payload.dumps(x)
-    assert first.shared.stats["moved"] == x.nbytes
+    assert first.shared.stats["moved"] == x.nbytes, _why_not_moved(x)
     assert sharing.settle(30)  # the move runs beside the ranks' start-up
     with open("/proc/self/maps") as f:
         assert "memfd:ddp_notebook" in f.read()
@@ -237,6 +277,7 @@ def test_moving_in_place_keeps_aliases_and_the_next_job_shares_without_copying()
         assert "memfd:ddp_notebook" not in f.read()
 
 
+@in_a_fresh_process
 def test_a_fork_of_the_notebook_gets_copy_on_write_pages_as_before():
     x = torch.zeros(40 * MIB // 4)
     data = payload.dumps(x)
@@ -284,10 +325,11 @@ def test_sharing_off_pickles_everything_as_before(monkeypatch):
     assert len(data) > x.nbytes and data.shared.stats["arrays"] == 0
 
 
+@in_a_fresh_process
 def test_a_move_that_fails_half_way_is_reported_to_the_ranks_and_later_jobs_copy(monkeypatch, tmp_path):
     x = torch.arange(40 * MIB // 4, dtype=torch.float32)
     expected = x.clone()
-    real_write, calls = sharing._pwrite_from, []
+    real_write, calls = sharing.write_at, []
 
     def failing_write(fd, addr, nbytes, offset):
         calls.append(offset)
@@ -295,10 +337,10 @@ def test_a_move_that_fails_half_way_is_reported_to_the_ranks_and_later_jobs_copy
             raise OSError(12, "Cannot allocate memory")
         real_write(fd, addr, nbytes, offset)
 
-    monkeypatch.setattr(sharing, "_pwrite_from", failing_write)
+    monkeypatch.setattr(sharing, "write_at", failing_write)
     data = payload.dumps(x)
     assert sharing.settle(30)
-    monkeypatch.setattr(sharing, "_pwrite_from", real_write)
+    monkeypatch.setattr(sharing, "write_at", real_write)
     assert torch.equal(x, expected)  # the part moved and the part not moved both hold their values
     path = tmp_path / "p.pkl"
     path.write_bytes(data)

@@ -17,7 +17,10 @@ import pytest
 from nbclient import NotebookClient
 
 import ddp_notebook
-from ddp_notebook import RankError, channel, following, runner
+from ddp_notebook import RankError
+from ddp_notebook.wire import channel
+from ddp_notebook.notebook import following
+from ddp_notebook.wire import protocol
 from nbrun import error, run_cells, text
 from torchrun_tasks import fails_on_node_1, nothing, reports_then_rank_1_fails, sleeps, with_arrays
 
@@ -47,6 +50,7 @@ import os, time
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_notebook import report, Sum
+from ddp_notebook.wire import protocol
 probe = torch.tensor([float(rank + 1)])
 dist.all_reduce(probe)
 model = DDP(Linear().to(device))
@@ -131,6 +135,8 @@ def _check_training(history, world):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
+@pytest.mark.kernel
 def test_two_torchrun_nodes_run_an_exported_cell_and_follow_shows_them(tmp_path, no_leftovers):
     script, run_dir, elsewhere = tmp_path / "export" / "train.py", tmp_path / "runs", tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -202,6 +208,8 @@ def test_two_torchrun_nodes_run_an_exported_cell_and_follow_shows_them(tmp_path,
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
+@pytest.mark.kernel
 def test_notebook_as_node_0_with_a_torchrun_node_1(tmp_path, no_leftovers):
     script, elsewhere = tmp_path / "export" / "job.py", tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -263,6 +271,7 @@ def test_notebook_as_node_0_with_a_torchrun_node_1(tmp_path, no_leftovers):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_failure_on_another_node_stops_the_job_and_leaves_nothing(tmp_path, no_leftovers, capfd):
     script = tmp_path / "job.py"
     port = _free_port()
@@ -289,6 +298,7 @@ def test_a_failure_on_another_node_stops_the_job_and_leaves_nothing(tmp_path, no
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_an_export_runs_alone_from_any_directory_with_its_arrays_mapped(tmp_path):
     import numpy as np
     import torch
@@ -336,6 +346,7 @@ def test_a_version_mismatch_is_told_clearly(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_one_writer_per_node_takes_every_local_rank_and_its_failure(tmp_path):
     exported = ddp_notebook.export(reports_then_rank_1_fails, tmp_path / "job.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -375,21 +386,21 @@ def test_follow_tails_the_files_until_every_node_has_ended(tmp_path, monkeypatch
 
     def write():
         for n in (0, 1):
-            path = runner.metrics_path(str(tmp_path), n)
+            path = protocol.metrics_path(str(tmp_path), n)
             tmp = path + ".new"  # a new run's file replaces the old one
             _write_lines(tmp, [{**heads[n], "event": "start", "world_size": 2, "nnodes": 2},
                                {**heads[n], "event": "ready", "rank": n}])
             os.replace(tmp, path)
         for epoch in (1, 2, 3):
             time.sleep(0.3)
-            _write_lines(runner.metrics_path(str(tmp_path), 0), [node(0, epoch)])
-            _write_lines(runner.metrics_path(str(tmp_path), 1), [node(1, epoch)], partial_last=epoch == 3)
+            _write_lines(protocol.metrics_path(str(tmp_path), 0), [node(0, epoch)])
+            _write_lines(protocol.metrics_path(str(tmp_path), 1), [node(1, epoch)], partial_last=epoch == 3)
         time.sleep(0.3)
-        with open(runner.metrics_path(str(tmp_path), 1), "a") as f:  # the rest of the half-written line
+        with open(protocol.metrics_path(str(tmp_path), 1), "a") as f:  # the rest of the half-written line
             f.write(json.dumps(node(1, 3))[-9:] + "\n")
         for n in (0, 1):
             time.sleep(0.3)
-            _write_lines(runner.metrics_path(str(tmp_path), n), [{**heads[n], "event": "exit", "rank": n},
+            _write_lines(protocol.metrics_path(str(tmp_path), n), [{**heads[n], "event": "exit", "rank": n},
                                                                 {**heads[n], "event": "end", "ok": True}])
 
     writer = threading.Thread(target=write)
@@ -406,7 +417,7 @@ def test_follow_tails_the_files_until_every_node_has_ended(tmp_path, monkeypatch
     failed = tmp_path / "failed"
     failed.mkdir()
     head = {"run": "f", "node": 0, "time": time.time()}
-    _write_lines(runner.metrics_path(str(failed), 0), [
+    _write_lines(protocol.metrics_path(str(failed), 0), [
         {**head, "event": "start", "world_size": 2, "nnodes": 1},
         {**head, "event": "failed", "rank": 1, "etype": "ValueError", "message": "bad", "traceback": "tb",
          "kind": "user"},
@@ -417,6 +428,7 @@ def test_follow_tails_the_files_until_every_node_has_ended(tmp_path, monkeypatch
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_stopping_a_node_0_job_ends_every_node(tmp_path, no_leftovers):
     script = tmp_path / "job.py"
     port = _free_port()
@@ -450,6 +462,7 @@ ddp_notebook.launch(sleeps, cpus=1, nnodes=2, master_addr="127.0.0.1", port={por
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_killed_notebook_leaves_nothing_on_any_node(tmp_path):
     from conftest import job_dirs
 
@@ -486,26 +499,29 @@ def test_a_killed_notebook_leaves_nothing_on_any_node(tmp_path):
 
 
 def test_node_jobs_refuse_what_cannot_work(tmp_path):
-    from ddp_notebook import LaunchError, launcher, nodes
+    from ddp_notebook import LaunchError
+    from ddp_notebook.engine import spec as job_spec
+    from ddp_notebook.engine import multinode
+    from ddp_notebook.wire import protocol
 
     def spec():
-        return launcher.JobSpec(world_size=2)
+        return job_spec.JobSpec(world_size=2)
 
     with pytest.raises(LaunchError, match="needs --master-addr"):
-        nodes.node_spec(spec(), 2, 0, None, None)
+        multinode.node_spec(spec(), 2, 0, None, None)
     with pytest.raises(LaunchError, match="runs node 0"):
-        nodes.node_spec(spec(), 2, 1, "127.0.0.1", None)
+        multinode.node_spec(spec(), 2, 1, "127.0.0.1", None)
     with pytest.raises(LaunchError, match="2 or more"):
-        nodes.node_spec(spec(), 0, 0, "127.0.0.1", None)
+        multinode.node_spec(spec(), 0, 0, "127.0.0.1", None)
     with pytest.raises(LaunchError, match="not an address of this host"):
-        nodes.node_spec(spec(), 2, 0, "192.0.2.1", None)  # TEST-NET-1: never this host's
+        multinode.node_spec(spec(), 2, 0, "192.0.2.1", None)  # TEST-NET-1: never this host's
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         taken = spec()
         taken.port = busy.getsockname()[1]
         with pytest.raises(LaunchError, match="already in use"):
-            nodes.node_spec(taken, 2, 0, "127.0.0.1", None)
-    made = nodes.node_spec(spec(), 3, 0, "127.0.0.1", str(tmp_path / "job.py"))
+            multinode.node_spec(taken, 2, 0, "127.0.0.1", None)
+    made = multinode.node_spec(spec(), 3, 0, "127.0.0.1", str(tmp_path / "job.py"))
     assert (made.world_size, made.nnodes, made.export_path) == (6, 3, str(tmp_path / "job.py"))
     assert made.port and f"--master-port {made.port}" in made.notes[-1] and "I = 1..2" in made.notes[-1]

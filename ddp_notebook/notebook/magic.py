@@ -1,6 +1,8 @@
-"""The ``%%ddp`` cell magic: turn a cell into a task and hand it to the launcher."""
+"""The ``%%ddp`` cell magic: turn a cell into a task and hand it to the engine (through :mod:`ddp_notebook.api`)."""
 from __future__ import annotations
 
+import ast
+import builtins
 import linecache
 import sys
 import time
@@ -8,11 +10,135 @@ import warnings
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
 
-from . import dashboard, exporting, launcher, nodes, payload
-from . import pool as pool_module
-from .errors import LaunchError, RankError
+from .. import api
+from ..engine import export as exporting
+from ..engine import job as engine_job
+from ..engine import pool as pool_module
+from ..engine import spec as job_spec
+from ..wire import payload
+from ..wire.errors import LaunchError, RankError
+from . import dashboard
+
+
+def parse_flags(magic, line: str):
+    """The magic's flags; a list may have spaces after its commas: ``--return m, opt`` is ``--return m,opt``."""
+    tokens: list[str] = []
+    for token in arg_split(line, strict=True):
+        previous = tokens[-1] if tokens else "-"
+        bare_flag = previous.startswith("-") and "=" not in previous
+        if not bare_flag and not token.startswith("-") and (previous.endswith(",") or token.startswith(",")):
+            tokens[-1] += token
+        else:
+            tokens.append(token)
+    return magic.parser.parse_args(tokens)
+
+
+# A cell that calls these can bind names no reading of its code sees.
+_DYNAMIC_NAMES = {"exec", "eval", "globals", "locals", "vars"}
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _cell_level_definitions(node: ast.AST):
+    """The functions and classes a cell defines outside any function or class (``if``/``for``/... included)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, _DEFINITIONS):
+            yield child
+        elif not isinstance(child, ast.expr):
+            yield from _cell_level_definitions(child)
+
+
+def scan_names(code: str) -> tuple[set[str] | None, dict[str, int]]:
+    """What the cell binds, in any scope (None when no reading can tell: ``import *``, ``exec``, ``globals()``),
+    and the names it reads with the cell line of their first use.
+
+    Not counted as reads: annotations, which may never be evaluated, and the bodies of functions and
+    classes the cell defines but never refers to, which may be meant for later cells.
+    """
+    tree = ast.parse(code)
+    bound: set[str] | None = set()
+    loads: list[ast.Name] = []
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            loads.append(node)
+        elif isinstance(node, ast.Name):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, _DEFINITIONS):
+            bound.add(node.name)
+            if getattr(node, "returns", None) is not None:
+                skip.add(id(node.returns))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            bound.update(node.names)
+        elif not isinstance(node, ast.alias):  # except-as, match captures, type parameters
+            name = getattr(node, "name", None) or getattr(node, "rest", None)
+            if isinstance(name, str):
+                bound.add(name)
+        annotation = getattr(node, "annotation", None)
+        if annotation is not None:
+            skip.add(id(annotation))
+    if "*" in bound or any(n.id in _DYNAMIC_NAMES for n in loads):
+        bound = None
+    for definition in _cell_level_definitions(tree):
+        inside = {id(n) for n in ast.walk(definition)}
+        if not definition.decorator_list and not any(n.id == definition.name and id(n) not in inside
+                                                     for n in loads):
+            skip.update(id(statement) for statement in definition.body)
+    reads: dict[str, int] = {}
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            reads[node.id] = min(node.lineno, reads.get(node.id, node.lineno))
+        stack.extend(ast.iter_child_nodes(node))
+    return bound, reads
+
+
+def undefined_names(code: str, defined) -> dict[str, int]:
+    """The names the cell reads that nothing defines (name: cell line of first use).
+
+    Defined: what the cell binds anywhere in it, ``defined`` (the notebook's names), the rank's names,
+    builtins and dunder names.  Empty when the cell binds names dynamically (see :func:`scan_names`).
+    """
+    bound, reads = scan_names(code)
+    if bound is None:
+        return {}
+    return {name: line for name, line in sorted(reads.items(), key=lambda item: item[1])
+            if name not in bound and name not in defined and name not in payload.RANK_NAMES
+            and not hasattr(builtins, name) and not (name.startswith("__") and name.endswith("__"))}
+
+
+_told_shadowed: set[str] = set()  # rank names whose shadowing the user was warned of
+
+
+def _first_use(code: str, name: str) -> int:
+    """The cell line where ``name`` first appears (1 when it does not as such)."""
+    lines = [node.lineno for node in ast.walk(ast.parse(code))
+             if isinstance(node, ast.Name) and node.id == name
+             or isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names]
+    return min(lines, default=1)
+
+
+def _refuse_undefined(cell: str, user_ns: dict, warm, export_only: bool) -> None:
+    """Refuse a cell that reads a name nothing defines: every rank would fail with NameError."""
+    held = set() if warm is None else warm.rank_names
+    if held is None:
+        return
+    missing = {name: line for name, line in undefined_names(cell, user_ns).items() if name not in held}
+    if missing:
+        where = ", ".join(f"{name} (line {line + 1})" for name, line in missing.items())
+        pool = ", the warm pool's ranks" if warm is not None else ""
+        raise LaunchError(f"the cell reads {where}, which nothing defines: not the cell, the notebook{pool} or "
+                          f"Python's builtins, so every rank would fail with NameError (an import missing?). "
+                          f"{'Nothing was exported' if export_only else 'No rank was started'}.")
 
 
 def _parse_returns(text: str | None) -> list[str]:
@@ -75,38 +201,34 @@ class DDPMagics(Magics):
         running it; ``--nnodes N --master-addr HOST`` runs this host's ranks as
         node 0 of a job on N hosts.
         """
-        args = parse_argstring(self.ddp, line)
+        args = parse_flags(self.ddp, line)
         returns = _parse_returns(args.returns)
         if not cell.strip():
             raise UsageError("the %%ddp cell is empty: write the code the ranks should run below the %%ddp line")
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
         export_only = args.export is not None and args.nnodes == 1
-        warm = pool_module.current() if args.gpus is None and args.cpus is None and args.nnodes == 1 \
-            and not export_only else None
+        warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only)
         try:
-            launcher.check_options(args.port, args.seed, args.timeout)
+            job_spec.check_options(args.port, args.seed, args.timeout)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
             if warm is not None:
                 warm.refuse_job_options(port=args.port, timeout=args.timeout, backend=args.backend)
             names, shadowed = payload.select_names(cell, shell.user_ns)
-            for name in shadowed:
-                warnings.warn(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is not used",
-                              stacklevel=2)
+            for name in sorted(set(shadowed) - _told_shadowed):  # once per name, at the cell's line
+                _told_shadowed.add(name)
+                warnings.warn_explicit(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is "
+                                       f"not used", UserWarning, f"Cell In[{number}]", _first_use(cell, name) + 1)
+            _refuse_undefined(cell, shell.user_ns, warm, export_only)
             output_ranks = {0} if args.output == "0" else None
-            if export_only:
-                spec = None  # the devices are torchrun's to give
-            elif warm is not None:
-                spec = warm.spec_for(args.seed, output_ranks)
+            spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
+                warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
+                timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                export=args.export, output_ranks=output_ranks)
+            if warm is not None:
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
-            else:
-                spec = launcher.resolve_devices(args.gpus, args.cpus, args.backend)
-                spec.port, spec.seed, spec.timeout = args.port, args.seed, args.timeout
-                spec.output_ranks = output_ranks
-                if args.nnodes != 1:
-                    spec = nodes.node_spec(spec, args.nnodes, args.node_rank, args.master_addr, args.export)
             sources = payload.notebook_sources()
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
             sources.labels[filename] = f"Cell In[{number}]"
@@ -117,19 +239,22 @@ class DDPMagics(Magics):
                 print(exported.summary(args.cpus or _gpu_count(args.gpus) or "N"))
                 return None
             relay = background_relay(output_ranks) if args.background else None
-            job = launcher.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
-                                       relay=relay, targets=targets)
+            job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
+                                       relay=relay, targets=targets, background=args.background)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
             if warm is not None:
+                bound = scan_names(cell)[0]  # a failed cell may have bound names too
+                warm.rank_names = None if bound is None or warm.rank_names is None \
+                    else warm.rank_names | bound | set(names)
                 warm.cell_done(job, names, cell, shell.user_ns, job.results[0].values if job.results and returns
                                else None)
 
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)
         try:
-            launcher.start_job(job)
+            api.start_job(job)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         try:
@@ -153,12 +278,12 @@ class DDPMagics(Magics):
         and ``--port``/``--timeout``.  Every later ``%%ddp`` cell that names no
         devices runs on the pool and keeps its names; ``%ddp_stop`` ends it.
         """
-        args = parse_argstring(self.ddp_start, line)
+        args = parse_flags(self.ddp_start, line)
         if pool_module.current() is not None:
             raise UsageError("a warm pool is already up (%ddp_status); %ddp_stop it first")
         try:
-            launcher.check_options(args.port, None, args.timeout)
-            spec = launcher.resolve_devices(args.gpus, args.cpus, args.backend)
+            job_spec.check_options(args.port, None, args.timeout)
+            spec = job_spec.resolve_devices(args.gpus, args.cpus, args.backend)
             spec.port, spec.timeout = args.port, args.timeout
             for note in spec.notes:
                 print(f"ddp_notebook: {note}", file=sys.stderr)
@@ -195,10 +320,11 @@ class DDPMagics(Magics):
 
     @line_magic
     def ddp_jobs(self, line: str):
-        """List this kernel's background jobs and their status."""
-        if not _background_jobs:
+        """List this kernel's background jobs (``%%ddp --background``, ``launch(..., background=True)``)."""
+        jobs = engine_job.background_jobs()
+        if not jobs:
             print("no background jobs")
-        for job in _background_jobs:
+        for job in jobs:
             took = (job.ended_at or time.time()) - job.started_at
             print(f"job #{job.task_id}: {job.status}, {job.spec.world_size} ranks, {took:.0f} s")
 
@@ -243,8 +369,8 @@ def _gpu_count(gpus: str | None) -> int | None:
     """How many GPUs ``--gpus`` names (for the torchrun command an export prints)."""
     if gpus is None:
         return None
-    text = gpus.strip()
-    return int(text) if "," not in text and text.isdigit() else len([p for p in text.split(",") if p.strip()])
+    request = job_spec.parse_gpus(gpus)
+    return request if isinstance(request, int) else len(request)
 
 
 def _parse_ranks(text: str | None, warm, cell: str, returns: list[str]) -> list[int] | None:
@@ -275,15 +401,12 @@ def _take_returns(shell, result) -> None:
         raise UsageError(f"--return: the cell never assigned {', '.join(result.missing)}{copied}")
 
 
-_background_jobs: list = []
-
-
 def background_relay(output_ranks: set[int] | None = None):
     """Rank output of a background job goes to an Output widget under its own cell, from any thread."""
     import ipywidgets as widgets
     from IPython.display import display
 
-    from .output import OutputRelay
+    from ..engine.output import OutputRelay
 
     area = widgets.Output(layout=widgets.Layout(max_height="300px", overflow="auto"))
     display(area)
@@ -316,15 +439,14 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
         elif job.status == "failed":
             relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":
-            relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} was stopped\n")
+            relay.area.append_stderr(f"[ddp_notebook] {job.error}\n")
 
     job.on_done.append(finished)
     try:
-        launcher.start_job(job)
+        api.start_job(job)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     dashboard.attach(job)  # shown now, under this cell, with a Stop button
-    _background_jobs.append(job)
     return job.run_in_background()
 
 
@@ -356,7 +478,7 @@ def _show_rank_error(shell, etype, value, tb, tb_offset=None):
 
 def _metric_callbacks(shell, args) -> list:
     """What ``--callback NAME`` and ``--tensorboard DIR`` ask for; the notebook process runs them."""
-    from . import callbacks
+    from ..engine import callbacks
 
     found = []
     for name in args.callbacks:

@@ -66,7 +66,7 @@ class CellTask:
         exec(compiled, ns)
         if ctx.rank != 0:
             return None
-        return CellResult({n: to_cpu(ns[n]) for n in self.returns if n in ns},
+        return CellResult({n: ns[n] for n in self.returns if n in ns},
                           [n for n in self.returns if n not in ns])
 
 
@@ -91,29 +91,55 @@ class CallTask:
     def run(self, ctx, namespace: dict | None = None) -> Any:
         self.sources.install()
         if self.pass_rank:
-            return to_cpu(self.fn(ctx.rank, *self.args, **self.kwargs))
-        return to_cpu(self.fn(*self.args, **self.kwargs))
+            return self.fn(ctx.rank, *self.args, **self.kwargs)
+        return self.fn(*self.args, **self.kwargs)
 
 
-def to_cpu(value: Any) -> Any:
-    """Tensors to CPU and wrapped modules (DDP, torch.compile) to the plain module."""
+_WRAPPER_CLASSES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")  # (.module inside)
+
+
+def unwrap_model(model: Any) -> Any:
+    """The plain module inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers, in any nesting."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, torch.nn.Module):
-        while hasattr(value, "module") and isinstance(value.module, torch.nn.Module) and type(value).__name__ in (
-            "DistributedDataParallel",
-            "DataParallel",
-        ):
-            value = value.module
-        value = getattr(value, "_orig_mod", value)
-        return value.cpu()
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu(v)) for k, v in value.items()) if type(value) is dict else value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(to_cpu(v) for v in value)
+        return model
+    while True:
+        if type(model).__name__ in _WRAPPER_CLASSES and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def dumps_result(value: Any) -> bytes:
+    """Rank side: pickle what a rank returns to the notebook.
+
+    Wrapped models travel as the plain module, tensors on a device as CPU
+    copies and results of a computation detached, wherever they sit (a state dict, an optimizer, a dataclass); the
+    rank's own objects are left as they are, so a warm pool's model stays on its
+    GPU.  Objects that share a tensor (a model and its optimizer) still share it.
+    """
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            if type(obj) is torch.Tensor and (obj.grad_fn is not None or obj.device.type not in ("cpu", "meta")):
+                # (a result of a computation comes back detached: its graph cannot travel)
+                return _same, (obj.detach().to("cpu").requires_grad_(obj.requires_grad and obj.grad_fn is None),)
+            if isinstance(obj, torch.nn.Module):
+                plain = unwrap_model(obj)
+                if plain is not obj:
+                    return _same, (plain,)
+        return super().reducer_override(obj)
+
+
+def _same(value: Any) -> Any:
     return value
 
 
@@ -179,6 +205,11 @@ class _Pickler(cloudpickle.Pickler):
             reduced = self._store.reduce(obj)
             if reduced is not None:
                 return reduced
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and obj.device.type not in ("cpu", "meta"):
+            # torch would tag it with the notebook's device index: it lands on each rank's own device instead
+            return sharing.on_rank_device, (obj.detach().to("cpu").requires_grad_(obj.requires_grad),
+                                            obj.device.type)
         return super().reducer_override(obj)
 
 
@@ -188,17 +219,22 @@ class Payload(bytes):
     shared: sharing.Bundle | None = None
 
 
-def _dumps(obj: Any, store: sharing.Store | None = None) -> bytes:
+def dumps_with(obj: Any, store: sharing.Store | None = None) -> bytes:
+    """Pickle ``obj`` as a payload, its big arrays placed by ``store`` (an export's, say)."""
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL, store=store).dump(obj)
     return buffer.getvalue()
 
 
-def dumps(task: Any, share: bool = True) -> Payload:
-    """Pickle the task once (big arrays into shared memory); if that fails, find and name the culprit."""
-    store = sharing.Store() if share else None
+def dumps(task: Any, share: bool = True, snapshot: bool = False) -> Payload:
+    """Pickle the task once (big arrays into shared memory); if that fails, find and name the culprit.
+
+    ``snapshot=True`` (jobs that run while the notebook goes on working): big arrays are copied, never moved,
+    so the ranks see them as they are now and the notebook's later writes are its own.
+    """
+    store = sharing.Store(move=not snapshot) if share else None
     try:
-        data = Payload(_dumps(task, store))
+        data = Payload(dumps_with(task, store))
         data.shared = store.bundle if store is not None else None
         return data
     except Exception:
@@ -214,7 +250,7 @@ def dumps(task: Any, share: bool = True) -> Payload:
         parts = {"the task": task}
     for name, value in parts.items():
         try:
-            _dumps(value, sharing.Store(dry=True))
+            dumps_with(value, sharing.Store(dry=True))
         except Exception as exc:
             raise LaunchError(
                 f"cannot send {name!r} ({type(value).__name__}) to the ranks: {type(exc).__name__}: {exc}\n"
@@ -233,11 +269,8 @@ def release(data: Any) -> None:
 def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
     """Cell sources held only in memory (IPython's cells), with IPython's labels."""
     sources = Sources()
-    shell = None
-    if "IPython" in sys.modules:
-        from IPython import get_ipython
-
-        shell = get_ipython()
+    ipython = sys.modules.get("IPython")  # the notebook's shell, if this process has one (never imported here)
+    shell = ipython.get_ipython() if ipython is not None else None
     filename_map = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
     budget = 4 << 20
     for filename, entry in list(linecache.cache.items()):
@@ -253,6 +286,12 @@ def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
         if filename in filename_map:
             sources.labels[filename] = f"Cell In[{filename_map[filename]}]"
     return sources
+
+
+def sources_for(fn: Callable) -> Sources:
+    """The cell sources a function's tracebacks may need (its own file, if it lives in memory)."""
+    code = getattr(fn, "__code__", None)
+    return notebook_sources({code.co_filename} if code else set())
 
 
 def write(task: Any, directory: str, name: str = "task.pkl") -> str:

@@ -23,60 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import payload, sharing
-from .errors import LaunchError
+from ..wire import payload, sharing
+from ..wire.errors import LaunchError
+from ..wire.versions import FORMAT, versions
+from .spec import check_options
 
-FORMAT = 1
-VERSIONED = ("python", "torch", "cloudpickle", "ddp_notebook")
-SKIP_CHECK_ENV = "DDP_NOTEBOOK_SKIP_VERSION_CHECK"
-_ARRAYS_REF = "ddp_notebook-export"  # stands where a shared buffer's device id would be
-_ALIGN = 4096
-
-
-def versions() -> dict[str, str]:
-    """What the version check compares: the Python minor version and three packages' versions."""
-    from importlib import metadata
-
-    from . import __version__
-
-    found = {"python": f"{sys.version_info.major}.{sys.version_info.minor}"}
-    for name in ("torch", "cloudpickle"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            try:
-                found[name] = str(__import__(name).__version__)
-            except ImportError:
-                found[name] = "not installed"
-    found["ddp_notebook"] = __version__
-    return found
-
-
-def _comparable(name: str, version: str) -> str:
-    # A CPU notebook exports for a CUDA cluster: 2.13.0+cpu and 2.13.0+cu126 pickle alike.
-    return version.split("+")[0] if name == "torch" else version
-
-
-def version_problems(exported: dict[str, str]) -> list[str]:
-    """One line per version that differs between the exporting notebook and this process."""
-    here = versions()
-    return [f"  {name:<13} {exported[name]} in the notebook, {here.get(name, 'not installed')} here"
-            for name in VERSIONED
-            if name in exported and _comparable(name, exported[name]) != _comparable(name, here.get(name, ""))]
-
-
-def version_message(exported: dict[str, str], problems: list[str], script: str) -> str:
-    pins = " ".join(f"{name}=={exported[name]}" for name in ("torch", "cloudpickle", "ddp_notebook")
-                    if any(line.split()[0] == name for line in problems))
-    advice = f"pip install {pins}" if pins else ""
-    if any(line.split()[0] == "python" for line in problems):
-        advice = (f"a Python {exported['python']} environment" + (f" with {pins}" if pins else "")).strip()
-    return (f"ddp_notebook: {script} was exported from a notebook whose versions differ from this environment "
-            f"({sys.executable}):\n" + "\n".join(problems) + "\n"
-            "The notebook's functions and classes travel as Python bytecode and its objects as pickles, which "
-            "do not move between Python versions, nor reliably between library versions.\n"
-            f"Run it with {advice}, or export it again from a notebook that matches this environment. "
-            f"(To try anyway: {SKIP_CHECK_ENV}=1.)")
 
 
 @dataclass
@@ -128,29 +79,27 @@ class _ArrayFile(sharing.Store):
     """The pickler's store for an export: big arrays are appended to one file beside the payload.
 
     The references it makes name that file (by its base name), and the ranks map
-    it copy-on-write (:func:`map_arrays`); the notebook's own memory is never moved.
+    it copy-on-write (:func:`ddp_notebook.wire.sharing.map_export_arrays`); the notebook's own memory is never moved.
     """
 
     def __init__(self, path: str, name: str):
-        super().__init__()
+        super().__init__(via_proc=False)
         self.path = path  # written here, then renamed to ``name`` beside the payload
         self.name = name
         self.size = 0
         self._fd: int | None = None
-        # Sharing through /proc is not involved: only whether the notebook has big arrays at all.
-        self._enabled = self.min_bytes is not None and (self._torch is not None or self._np is not None)
 
-    def _move(self, addr: int, nbytes: int, owner: Any) -> None:
+    def move_block(self, addr: int, nbytes: int, owner: Any) -> None:
         return None
 
-    def _copy(self, addr: int, nbytes: int) -> tuple:
+    def copy_block(self, addr: int, nbytes: int) -> tuple:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        offset = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
-        sharing._pwrite_from(self._fd, addr, nbytes, offset)
+        offset = (self.size + sharing.ALIGN - 1) // sharing.ALIGN * sharing.ALIGN
+        sharing.write_at(self._fd, addr, nbytes, offset)
         self.size = offset + nbytes
         self.bundle.stats["disk"] += nbytes
-        return (0, -1, _ARRAYS_REF, self.name), offset
+        return (0, -1, sharing.EXPORT_REF, self.name), offset
 
     def close(self) -> bool:
         """True when something was written."""
@@ -159,15 +108,6 @@ class _ArrayFile(sharing.Store):
         os.close(self._fd)
         self._fd = None
         return True
-
-
-def map_arrays(path: str) -> None:
-    """Rank side, inside ``sharing.loading()``: the export's array file is what its references map."""
-    import mmap
-
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # a rank's writes stay its own
-    sharing._mapped[(_ARRAYS_REF, os.path.basename(path))] = mm
 
 
 def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None = None,
@@ -196,7 +136,7 @@ def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None 
     store = _ArrayFile(files["arrays"] + tmp, os.path.basename(files["arrays"]))
     try:
         try:
-            data = payload._dumps(task, store)
+            data = payload.dumps_with(task, store)
         except Exception:
             store.close()
             payload.dumps(task, share=False)  # names the notebook object that cannot be pickled, if it is one
@@ -245,15 +185,13 @@ def export(fn_or_task: Callable | payload.CellTask | payload.CallTask, path: str
     before the call, ``timeout`` bounds each collective, ``backend`` overrides the
     default (nccl with CUDA, else gloo).
     """
-    from . import launcher
-
     if isinstance(fn_or_task, (payload.CellTask, payload.CallTask)):
         task = fn_or_task
     elif callable(fn_or_task):
-        task = payload.CallTask(fn_or_task, tuple(args), dict(kwargs or {}), False, launcher._sources_for(fn_or_task))
+        task = payload.CallTask(fn_or_task, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn_or_task))
     else:
         raise LaunchError(f"export takes a function (or a task), not {type(fn_or_task).__name__}")
-    launcher.check_options(None, seed, timeout)
+    check_options(None, seed, timeout)
     return write(task, path, run_dir=run_dir, seed=seed, timeout=timeout, backend=backend)
 
 
@@ -286,7 +224,7 @@ MANIFEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), {manifest!r}
 
 if __name__ == "__main__":
     try:
-        from ddp_notebook import runner
+        from ddp_notebook.rank import torchrun as runner
     except ImportError as exc:
         with open(MANIFEST) as f:
             exported = json.load(f)["versions"]

@@ -11,6 +11,7 @@ model alike (also files saved the naive way, with prefixed keys) using
 """
 from __future__ import annotations
 
+import errno
 import io
 import itertools
 import json
@@ -27,13 +28,13 @@ import torch
 
 from . import context
 from .data import rank_and_world_size
+from ..wire.payload import unwrap_model
 
 FORMAT = "ddp_notebook.checkpoint/1"
 RNG_FORMAT = "ddp_notebook.rng/1"
 # Test hook: after the temporary file is written and fsynced, write this file and wait before the rename.
 PAUSE_BEFORE_RENAME_ENV = "DDP_NOTEBOOK_TEST_PAUSE_BEFORE_RENAME"
 
-_WRAPPER_CLASSES = ("DistributedDataParallel", "DataParallel")
 _save_counts: dict[str, int] = {}
 _temp_counter = itertools.count()
 
@@ -43,17 +44,6 @@ class ResumeWarning(UserWarning):
 
 
 # -- state dict keys ------------------------------------------------------------------------------
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module inside DDP / DataParallel / ``torch.compile`` wrappers (in any nesting)."""
-    while True:
-        if type(model).__name__ in _WRAPPER_CLASSES and isinstance(getattr(model, "module", None), torch.nn.Module):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
 
 def _strip(key: str, leading: int = 0) -> str:
     """``key`` without ``_orig_mod`` components and without ``leading`` leading components."""
@@ -240,13 +230,53 @@ def _atomic_save(obj: Any, path: str, test_hook: bool = False) -> None:
         if test_hook:
             _pause_before_rename(temp, path)
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.remove(temp)
         except OSError:
             pass
+        full = _full_filesystem(exc, obj, path) if isinstance(exc, Exception) else None
+        if full is not None:
+            raise full from exc
         raise
     _fsync_directory(directory)
+
+
+class _SizeCounter:
+    """A file that only counts what is written to it."""
+
+    size = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _full_filesystem(exc: Exception, obj: Any, path: str) -> OSError | None:
+    """A clear ENOSPC error when a save failed for want of space; torch's own says ``unexpected pos``."""
+    no_space = getattr(exc, "errno", None) == errno.ENOSPC
+    if isinstance(exc, OSError) and not no_space:
+        return None  # (permissions and the like: their own message is clear)
+    try:
+        counter = _SizeCounter()
+        torch.save(obj, counter)
+        stats = os.statvfs(os.path.dirname(path))
+    except Exception:
+        return None
+    free = stats.f_bavail * stats.f_frsize  # measured after the partial file was removed
+    if not no_space and counter.size <= free:
+        return None
+    return OSError(errno.ENOSPC, f"the filesystem of {path} is full: the checkpoint needs "
+                                 f"{_size_text(counter.size)}, {_size_text(free)} are free there (the previous "
+                                 f"file, if any, is left as it was)")
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 # -- RNG state -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import csv
 from collections import OrderedDict
 from typing import Any
 
-from .metrics import TOTAL_KEYS
+from ..wire.protocol import TOTAL_KEYS
 
 
 class History(list):

@@ -6,7 +6,7 @@ import re
 import traceback
 from dataclasses import dataclass
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ddp_notebook/, above wire/
 
 # A bystander's view of another rank's failure: its collective lost the peer.
 _COMM_PATTERNS = re.compile(
@@ -18,8 +18,24 @@ _COMM_PATTERNS = re.compile(
 _TIMEOUT_PATTERNS = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
-class LaunchError(Exception):
+class DDPNotebookError(Exception):
+    """Base of this package's own errors."""
+
+
+class LaunchError(DDPNotebookError):
     """A job was refused before any rank started (bad flags, unpicklable name, ...)."""
+
+
+class JobStopped(DDPNotebookError):
+    """A background job was stopped (``job.stop()``, the dashboard's Stop button, ``%ddp_stop``) before it ended."""
+
+    def __init__(self, job_id: int, by: str):
+        self.job_id = job_id
+        self.by = by
+        super().__init__(f"job #{job_id} was stopped by {by} before it ended")
+
+    def __reduce__(self):
+        return type(self), (self.job_id, self.by)
 
 
 @dataclass
@@ -37,7 +53,7 @@ class Failure:
         return f"{self.etype}: {self.message}" if self.message else self.etype
 
 
-class RankError(RuntimeError):
+class RankError(DDPNotebookError, RuntimeError):
     """A rank failed; ``rank`` is the one that failed first, ``failures`` all reports."""
 
     def __init__(self, failure: Failure, failures: list[Failure], note: str = ""):

@@ -12,8 +12,12 @@ tensors and views over one storage share one buffer.
   chunk, and mapped back at the same address.  Every alias (views, ``.numpy()``)
   keeps working, no second copy exists at any moment, and the next job shares
   the same pages again without copying.  The move runs on a thread while the
-  ranks start (they wait for the file to be complete).  A fork of the notebook
-  still gets a copy-on-write snapshot (see ``_after_fork_in_child``).
+  ranks start (they wait for the file to be complete), so only while the
+  notebook waits for the job: a write landing between the copy of a chunk and
+  its mapping would be lost.  Jobs that run beside the notebook copy instead
+  (``Store(move=False)``), and ``Bundle.release`` waits for the moves it started.
+  A fork of the notebook maps moved blocks copy-on-write (see
+  ``_after_fork_in_child``): its writes stay its own.
 * Copied: anything else (views of a small part of a storage, pinned or GPU
   tensors, arrays whose memory belongs to someone else) is copied into one
   per-dump memfd, or, when the machine cannot spare the memory
@@ -57,7 +61,8 @@ DEFAULT_MIN_BYTES = 1 << 20
 _PAGE = mmap.PAGESIZE
 _CHUNK = 16 << 20  # moved per step: the most held twice at any moment, and the GIL held at a time
 _DISK_MARGIN = 256 << 20
-_ALIGN = 4096  # of copies inside a shared file
+ALIGN = 4096  # of copies inside a shared file
+EXPORT_REF = "ddp_notebook-export"  # stands where a shared buffer's device id would be, in an export's references
 _MAP_FIXED = 0x10
 _FOREIGN_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc", "hoard", "snmalloc")
 
@@ -84,6 +89,7 @@ class Bundle:
 
     def __init__(self) -> None:
         self._fds: list[int] = []
+        self._moves: list[threading.Event] = []
         self.stats = {"moved": 0, "memory": 0, "disk": 0, "inline": 0, "arrays": 0}  # bytes, and a count
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
 
@@ -91,12 +97,30 @@ class Bundle:
     def fds(self) -> tuple[int, ...]:
         return tuple(self._fds)
 
-    def _adopt(self, fd: int) -> None:
+    def adopt(self, fd: int) -> None:
+        """Close ``fd`` with this bundle."""
         self._fds.append(fd)
 
+    def _track_move(self, done: threading.Event) -> None:
+        self._moves.append(done)
+
     def release(self) -> None:
-        """Close this payload's descriptors (idempotent); ranks that mapped the data keep their mappings."""
+        """Close this payload's descriptors (idempotent); ranks that mapped the data keep their mappings.
+
+        Returns only once every move this payload started is finished, even when
+        interrupted: a write the notebook makes while a block is half moved would be lost.
+        """
+        interrupted = False
+        for done in self._moves:
+            while not done.is_set():
+                try:
+                    done.wait(0.1)
+                except KeyboardInterrupt:
+                    interrupted = True
+        self._moves.clear()
         self._finalizer()
+        if interrupted:
+            raise KeyboardInterrupt
 
 
 def _close_all(fds: list[int]) -> None:
@@ -179,7 +203,8 @@ def _libc():
     return _lib
 
 
-def _pwrite_from(fd: int, addr: int, nbytes: int, offset: int) -> None:
+def write_at(fd: int, addr: int, nbytes: int, offset: int) -> None:
+    """Write ``nbytes`` of this process's memory at ``addr`` to ``fd`` at ``offset``, all of it."""
     lib = _libc()
     while nbytes > 0:
         done = lib.pwrite(fd, addr, min(nbytes, 1 << 30), offset)
@@ -297,12 +322,12 @@ def _fill(rec: _Moved, owner: Any) -> None:
     addr, base, lo, fd = rec.addr, rec.base, rec.lo, rec.fd
     try:
         if lo > addr:
-            _pwrite_from(fd, addr, lo - addr, addr - base)
+            write_at(fd, addr, lo - addr, addr - base)
         at = lo
         end = (addr + rec.nbytes) & ~(_PAGE - 1)
         while at < end:
             step = min(_CHUNK, end - at)
-            _pwrite_from(fd, at, step, at - base)
+            write_at(fd, at, step, at - base)
             if lib.mmap(at, step, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd,
                         at - base) != at:
                 err = ctypes.get_errno()
@@ -310,7 +335,7 @@ def _fill(rec: _Moved, owner: Any) -> None:
             at += step
             rec.hi = at
         if addr + rec.nbytes > end:
-            _pwrite_from(fd, end, addr + rec.nbytes - end, end - base)
+            write_at(fd, end, addr + rec.nbytes - end, end - base)
         os.ftruncate(fd, rec.size)
         rec.complete = True
     except OSError:
@@ -387,7 +412,7 @@ class _Arena:
         self.size = 0
 
     def append(self, addr: int, nbytes: int) -> int:
-        offset = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        offset = (self.size + ALIGN - 1) // ALIGN * ALIGN
         if self.kind == "disk":
             st = os.statvfs(tempfile.gettempdir())
             if st.f_bavail * st.f_frsize < nbytes + _DISK_MARGIN:
@@ -396,7 +421,7 @@ class _Arena:
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(self.fd, offset, nbytes)
-            _pwrite_from(self.fd, addr, nbytes, offset)
+            write_at(self.fd, addr, nbytes, offset)
         except OSError:
             os.ftruncate(self.fd, self.size)
             raise
@@ -408,10 +433,14 @@ class Store:
     """Consulted by the payload's pickler: big arrays become references to shared buffers.
 
     ``dry=True`` only tells what would be shared (for naming an unpicklable part): nothing is written.
+    ``via_proc=False``: the ranks do not open the buffers through ``/proc`` (an export writes them to a file).
+    ``move=False`` copies every array, so the ranks get a snapshot and the notebook's memory is left as it is
+    (for jobs that run while the notebook goes on working).
     """
 
-    def __init__(self, dry: bool = False):
+    def __init__(self, dry: bool = False, move: bool = True, via_proc: bool = True):
         self.dry = dry
+        self.move = move
         self.bundle = Bundle()
         self.min_bytes = min_bytes()
         torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # never imported for this
@@ -419,9 +448,9 @@ class Store:
         self._np = np
         self._tensor_type = getattr(torch, "Tensor", None)
         self._array_types = (np.ndarray, np.memmap) if np is not None else ()
-        self._enabled = self.min_bytes is not None and (dry or _proc_fds_usable()) \
+        self._enabled = self.min_bytes is not None and (dry or not via_proc or _proc_fds_usable()) \
             and (torch is not None or np is not None)
-        self._placed: dict[tuple[int, int], tuple | None] = {}
+        self._placed: dict[tuple, tuple | None] = {}
         self._arenas: dict[str, _Arena] = {}
         self._budget: int | None = None
         self._maps: _Maps | None = None
@@ -445,51 +474,49 @@ class Store:
             return None
         if t.__dict__:  # Python attributes on the tensor: torch's own pickling keeps them
             return None
-        if t.numel() * t.element_size() < self.min_bytes:
-            if t.device.type == "cpu" and t.untyped_storage().nbytes() >= self.min_bytes:
-                storage = t.untyped_storage()
-                placed = self._placed.get((storage.data_ptr(), storage.nbytes()))
-                if placed is not None and not (t.is_conj() or t.is_neg()):  # a view of a storage shared already
-                    return _rebuild_tensor, (*placed, storage.nbytes(), t.dtype, t.storage_offset(), tuple(t.size()),
-                                             tuple(t.stride()), bool(t.requires_grad), "cpu")
+        src = t.detach()
+        storage = src.untyped_storage()
+        # Keys name the notebook's own memory, which the pickler keeps alive for the whole dump (it memoizes
+        # every object it saves); a temporary made here is never a key, as its address is reused once freed.
+        source = (str(src.device), storage.data_ptr(), storage.nbytes())
+        plain = not (src.is_conj() or src.is_neg())
+        nbytes = src.numel() * src.element_size()
+        layout = (src.storage_offset(), tuple(src.size()), tuple(src.stride()))
+        device_type = src.device.type
+        if nbytes < self.min_bytes:
+            if device_type == "cpu" and storage.nbytes() >= self.min_bytes:
+                placed = self._placed.get(source)
+                if placed is not None and plain:  # a view of a storage shared already
+                    return _rebuild_tensor, (*placed, storage.nbytes(), t.dtype, *layout, bool(t.requires_grad),
+                                             "cpu")
                 # torch would pickle the whole big storage under this small view: send a copy of the view
                 return _same, (t.detach().clone().requires_grad_(t.requires_grad),)
             return None
-        device_type = t.device.type
-        src = t.detach()
-        own = True  # src still uses the notebook tensor's storage
-        if device_type != "cpu":
-            src, own = src.to("cpu"), False
-        if src.is_conj():
-            src, own = src.resolve_conj(), False
-        if src.is_neg():
-            src, own = src.resolve_neg(), False
-        storage = src.untyped_storage()
-        nbytes = src.numel() * src.element_size()
-        if own and 2 * nbytes >= storage.nbytes():
-            # The whole storage: aliasing between tensors of one storage survives.
-            # (A storage exported with .numpy() is no longer resizable; moving keeps such aliases valid.)
-            movable = not storage.is_shared() and not src.is_pinned()
-            region = (storage.data_ptr(), storage.nbytes())
-            owner = storage if movable else None
-            layout = (src.storage_offset(), tuple(src.size()), tuple(src.stride()))
-        elif own and (storage.data_ptr(), storage.nbytes()) in self._placed:
-            # A view of a storage this payload shares already: keep the aliasing.
-            region, owner = (storage.data_ptr(), storage.nbytes()), None
-            layout = (src.storage_offset(), tuple(src.size()), tuple(src.stride()))
+        if plain and (2 * nbytes >= storage.nbytes() or source in self._placed):
+            # The whole storage, or a view of one shared already: aliasing between tensors of one storage survives.
+            if device_type == "cpu":
+                # (A storage exported with .numpy() is no longer resizable; moving keeps such aliases valid.)
+                movable = not storage.is_shared() and not src.is_pinned()
+                placed = self._place(source, storage.data_ptr(), storage.nbytes(), storage if movable else None)
+            else:
+                placed = self._placed.get(source, _MISSING)
+                if placed is _MISSING:
+                    host = storage.cpu()  # a device's memory is copied through the CPU, whole
+                    placed = self._place(source, host.data_ptr(), host.nbytes(), None)
+            region_bytes = storage.nbytes()
         else:
-            # A small view of a big storage, or a temporary copy: its own elements only.
-            if not src.is_contiguous():
-                src = src.contiguous()
-            region, owner = (src.data_ptr(), nbytes), None
-            layout = (0, tuple(src.size()), tuple(src.stride()))
-        if region[1] < self.min_bytes:
-            return None
-        placed = self._place(region[0], region[1], owner)
+            # A small view of a big storage, or a conjugate / negative view: its own elements, resolved.
+            key = ("view", source, str(src.dtype), *layout, src.is_conj(), src.is_neg())
+            placed = self._placed.get(key, _MISSING)
+            if placed is _MISSING:
+                copy = src.resolve_conj().resolve_neg().to("cpu").contiguous()
+                placed = self._place(key, copy.data_ptr(), nbytes, None)
+            region_bytes = nbytes
+            layout = (0, tuple(src.size()), _contiguous_strides(tuple(src.size())))
         if placed is None:
             return None
         ref, offset = placed
-        return _rebuild_tensor, (ref, offset, region[1], t.dtype, *layout, bool(t.requires_grad), device_type)
+        return _rebuild_tensor, (ref, offset, region_bytes, t.dtype, *layout, bool(t.requires_grad), device_type)
 
     def _reduce_array(self, a):
         np = self._np
@@ -502,28 +529,34 @@ class Store:
         if whole:
             owner = root if _numpy_default_allocator(np, root) else None
             base_addr = root.ctypes.data
-            region = (base_addr, root.nbytes)
-            offset_in, strides, src = a.ctypes.data - base_addr, a.strides, root
+            placed = self._place(("cpu", base_addr, root.nbytes), base_addr, root.nbytes, owner)
+            offset_in, strides = a.ctypes.data - base_addr, a.strides
+        elif a.flags.c_contiguous or a.flags.f_contiguous:
+            placed = self._place(("cpu", a.ctypes.data, a.nbytes), a.ctypes.data, a.nbytes, None)
+            offset_in, strides = 0, a.strides
         else:
-            src = a if (a.flags.c_contiguous or a.flags.f_contiguous) else np.ascontiguousarray(a)
-            region, owner, offset_in, strides = (src.ctypes.data, src.nbytes), None, 0, src.strides
-        placed = self._place(region[0], region[1], owner)
+            key = ("view", "cpu", a.ctypes.data, a.dtype.str, a.shape, a.strides)
+            placed = self._placed.get(key, _MISSING)
+            if placed is _MISSING:
+                copy = np.ascontiguousarray(a)
+                placed = self._place(key, copy.ctypes.data, copy.nbytes, None)
+            offset_in, strides = 0, _contiguous_strides(a.shape, a.itemsize)
         if placed is None:
             return None
         ref, offset = placed
         return _rebuild_array, (ref, offset + offset_in, a.dtype, a.shape, strides, bool(a.flags.writeable))
 
     # -- placing bytes -----------------------------------------------------------------------
-    def _place(self, addr: int, nbytes: int, owner: Any) -> tuple | None:
-        key = (addr, nbytes)
+    def _place(self, key: tuple, addr: int, nbytes: int, owner: Any) -> tuple | None:
+        """Share [addr, addr + nbytes) once per ``key`` (the source it was read from): moved if ``owner`` allows."""
         if key in self._placed:
             return self._placed[key]
         if self.dry:
             placed = ((0, -1, 0, 0), 0)
         else:
-            placed = self._move(addr, nbytes, owner) if owner is not None else None
+            placed = self.move_block(addr, nbytes, owner) if owner is not None and self.move else None
             if placed is None:
-                placed = self._copy(addr, nbytes)
+                placed = self.copy_block(addr, nbytes)
             if placed is None:
                 self.bundle.stats["inline"] += nbytes
             else:
@@ -531,7 +564,8 @@ class Store:
         self._placed[key] = placed
         return placed
 
-    def _move(self, addr: int, nbytes: int, owner: Any) -> tuple | None:
+    def move_block(self, addr: int, nbytes: int, owner: Any) -> tuple | None:
+        """Share a notebook block by moving its pages into shared memory; None when it cannot be moved."""
         if not _can_move():
             return None
         with _moved_lock:
@@ -546,8 +580,8 @@ class Store:
                     rec = None
                 else:
                     # The partial pages at both ends stayed the notebook's own: bring the file's copy up to date.
-                    _pwrite_from(rec.fd, addr, rec.lo - addr, rec.head)
-                    _pwrite_from(rec.fd, rec.hi, addr + rec.nbytes - rec.hi, rec.hi - rec.base)
+                    write_at(rec.fd, addr, rec.lo - addr, rec.head)
+                    write_at(rec.fd, rec.hi, addr + rec.nbytes - rec.hi, rec.hi - rec.base)
             if rec is None:
                 if self._maps is None:
                     self._maps = _Maps()
@@ -558,7 +592,8 @@ class Store:
                 if rec is None:
                     return None
             fd = os.dup(rec.fd)  # this job's own descriptor: the owner may die while ranks start
-        self.bundle._adopt(fd)
+        self.bundle.adopt(fd)
+        self.bundle._track_move(rec.done)
         self.bundle.stats["moved"] += nbytes
         return (self._pid, fd, rec.dev, rec.ino, rec.size), rec.head
 
@@ -569,7 +604,8 @@ class Store:
         maps = _Maps()
         return maps.covered(rec.lo, rec.hi, lambda perms, inode, path: inode == rec.ino and "s" in perms)
 
-    def _copy(self, addr: int, nbytes: int) -> tuple | None:
+    def copy_block(self, addr: int, nbytes: int) -> tuple | None:
+        """Share a copy of [addr, addr + nbytes); None when there is no room anywhere."""
         kinds = []
         if hasattr(os, "memfd_create"):
             if self._budget is None:
@@ -583,7 +619,7 @@ class Store:
                 arena = self._arenas.get(kind)
                 if arena is None:
                     arena = self._arenas[kind] = _Arena(kind)
-                    self.bundle._adopt(arena.fd)
+                    self.bundle.adopt(arena.fd)
                 offset = arena.append(addr, nbytes)
             except OSError:
                 continue
@@ -592,6 +628,18 @@ class Store:
         warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB (memory limit and "
                       f"{tempfile.gettempdir()} both full); it is pickled into the payload instead", stacklevel=2)
         return None
+
+
+_MISSING = object()
+
+
+def _contiguous_strides(shape: tuple, itemsize: int = 1) -> tuple:
+    """Strides of a C-contiguous array of ``shape``, in elements (tensors) or bytes (``itemsize``)."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _numpy_default_allocator(np, root) -> bool:
@@ -665,6 +713,13 @@ def _same(value):
     return value
 
 
+def map_export_arrays(path: str) -> None:
+    """Rank side, inside ``loading()``: an export's array file is what its references (``EXPORT_REF``) map."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # a rank's writes stay its own
+    _mapped[(EXPORT_REF, os.path.basename(path))] = mm
+
+
 def _rebuild_tensor(ref, offset, nbytes, dtype, storage_offset, size, stride, requires_grad, device_type):
     import torch
 
@@ -677,15 +732,23 @@ def _rebuild_tensor(ref, offset, nbytes, dtype, storage_offset, size, stride, re
         _storages[key] = storage
     t = torch.empty((0,), dtype=dtype)
     t.set_(storage, storage_offset, size, stride)
-    if device_type == "cuda":
-        from .context import current
+    return on_rank_device(t.requires_grad_(requires_grad), device_type)
 
-        ctx = current()
-        device = getattr(ctx, "device", None)
-        if device is not None and getattr(device, "type", None) == "cuda":
-            t = t.to(device)
-    if requires_grad:
-        t.requires_grad_(True)
+
+_rank_device = None
+
+
+def set_rank_device(device) -> None:
+    """Rank side: where tensors the notebook held on a device land in this process (its own GPU, or the CPU)."""
+    global _rank_device
+    _rank_device = device
+
+
+def on_rank_device(t, device_type: str):
+    """A tensor the notebook held on a ``device_type`` device: on this rank's own device of that type, else CPU."""
+    device = _rank_device
+    if device_type != "cpu" and getattr(device, "type", None) == device_type:
+        return t.detach().to(device).requires_grad_(t.requires_grad)
     return t
 
 

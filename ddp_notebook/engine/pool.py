@@ -1,8 +1,8 @@
 """A warm pool: ranks and a process group that live across cells.
 
 ``%ddp_start`` starts the ranks once; every ``%%ddp`` cell without device flags
-then runs on them as a :class:`~ddp_notebook.launcher.Job` over the pool's
-:class:`~ddp_notebook.ranks.RankGroup`.  The ranks keep the cell's names, so
+then runs on them as a :class:`~ddp_notebook.Job` over the pool's
+:class:`~ddp_notebook.engine.local.LocalRanks`.  The ranks keep the cell's names, so
 the model stays where it is, and only notebook names that are new or changed
 (rebound or mutated in place) are shipped again.  After an error or an
 interrupt the pool checks that its ranks are back at a common point; if they
@@ -22,10 +22,13 @@ from typing import Any
 
 import cloudpickle
 
-from . import launcher
-from .errors import LaunchError
+from ..wire import protocol
+from .job import Job
+from .spec import JobSpec
+from ..wire.errors import LaunchError
 from .output import OutputRelay
-from .ranks import RankGroup
+from .backend import RankBackend
+from .local import LocalRanks
 
 _current: "Pool | None" = None
 
@@ -118,31 +121,29 @@ def collective_calls(code: str) -> list[str]:
 class Pool:
     """Warm ranks for this kernel; see the module docstring."""
 
-    def __init__(self, spec: launcher.JobSpec):
+    def __init__(self, spec: JobSpec):
         self.spec = spec
-        self.group: RankGroup | None = None
+        self.group: RankBackend | None = None
         self.cells = 0
         self.restarts = 0
-        self.busy: launcher.Job | None = None  # the job running on the pool (a background one, between cells)
+        self.busy: Job | None = None  # the job running on the pool (a background one, between cells)
         self._stopping = False
         # What each rank holds of the notebook's names: name -> fingerprint at shipping time (or at the
         # moment the ranks bound the name themselves, so their value wins until the notebook changes its own).
         self._held: list[dict[str, str]] = []
+        # Every name a cell bound on the ranks or was sent (None: a cell bound names no reading can tell);
+        # a cell may read them though the notebook has none.  Not cleared by a restart: better a late NameError
+        # than a false refusal.
+        self.rank_names: set[str] | None = set()
 
     # -- life ------------------------------------------------------------
     def start(self) -> "Pool":
         global _current
         spec = self.spec
-        group = RankGroup(spec, OutputRelay())
-        store_sock = launcher._bind_port(spec.master_addr, spec.port)
-        group.port = store_sock.getsockname()[1]
-        try:
-            group.start(store_sock)
-        finally:
-            store_sock.close()
+        group = LocalRanks(spec, OutputRelay()).start()
         failures: list[str] = []
-        group.handler = lambda rank, kind, body: failures.append(
-            f"rank {rank}: {body['etype']}: {body['message']}") if kind == "failed" else None
+        group.attach(lambda rank, kind, body: failures.append(
+            f"rank {rank}: {body['etype']}: {body['message']}") if kind == protocol.FAILED else None)
         deadline = time.time() + spec.startup_timeout
         try:
             while len(group.ready) < spec.world_size:
@@ -165,7 +166,7 @@ class Pool:
         global _current
         self._stopping = True  # a job still running ends without bringing the ranks back
         if self.busy is not None:
-            self.busy.stop(timeout=None)
+            self.busy.stop(timeout=None, by="%ddp_stop (the warm pool was stopped)")
         if self.group is not None:
             self.group.shut_down(wait=5.0)
             self.group = None
@@ -210,7 +211,7 @@ class Pool:
             raise LaunchError(f"{', '.join(given)} are set when a warm pool starts (%ddp_start); name devices "
                               f"(--gpus/--cpus) to run a fresh job instead")
 
-    def spec_for(self, seed: int | None = None, output_ranks: set[int] | None = None) -> launcher.JobSpec:
+    def spec_for(self, seed: int | None = None, output_ranks: set[int] | None = None) -> JobSpec:
         """The pool's spec with one cell's own settings."""
         return dataclasses.replace(self.spec, seed=seed, output_ranks=output_ranks, notes=[])
 
@@ -223,8 +224,8 @@ class Pool:
                 shipped[name] = value
         return shipped
 
-    def job(self, task: bytes, spec: launcher.JobSpec, targets: list[int] | None = None,
-            relay: OutputRelay | None = None) -> launcher.Job:
+    def job(self, task: bytes, spec: JobSpec, targets: list[int] | None = None,
+            relay: OutputRelay | None = None) -> Job:
         """A job for one cell (or call) on the pool's ranks."""
         if self.busy is not None:
             raise LaunchError("the warm pool is busy with a background job: wait for it (job.wait()) or stop it")
@@ -233,13 +234,13 @@ class Pool:
         bad = [r for r in targets if not 0 <= r < self.spec.world_size]
         if bad:
             raise LaunchError(f"--ranks {bad}: the pool has ranks 0 to {self.spec.world_size - 1}")
-        job = launcher.Job(spec, task, group=self.group, targets=targets, relay=relay,
+        job = Job(spec, task, group=self.group, targets=targets, relay=relay,
                            on_interrupt=self._interrupted)
-        job.add_listener(lambda job, kind, rank, body: setattr(self, "busy", job) if kind == "started" else None)
+        job.add_listener(lambda job, kind, rank, body: setattr(self, "busy", job) if kind == protocol.STARTED else None)
         job.on_done.append(self._job_ended)
         return job
 
-    def _job_ended(self, job: launcher.Job) -> None:
+    def _job_ended(self, job: Job) -> None:
         """On the job's own thread, before anyone may use the pool again: recover from a failure."""
         try:
             if job.status == "failed" and self.group is job.group:
@@ -247,7 +248,7 @@ class Pool:
         finally:
             self.busy = None
 
-    def cell_done(self, job: launcher.Job, shipped: dict[str, Any], code: str, user_ns: dict,
+    def cell_done(self, job: Job, shipped: dict[str, Any], code: str, user_ns: dict,
                   returned: dict[str, Any] | None = None) -> None:
         """After a cell: remember what the ranks hold now.
 
@@ -277,23 +278,25 @@ class Pool:
         if dead:
             self.restart(f"rank(s) {', '.join(map(str, dead))} of the warm pool had died")
 
-    def _answered(self, job: launcher.Job) -> bool:
-        answered = set(job._results) | {r for r, f in job._failures.items() if f.kind in ("user", "interrupted")}
+    def _answered(self, job: Job) -> bool:
+        outcome = job.outcome
+        answered = set(outcome.results) | {r for r, f in outcome.failures.items() if f.kind in ("user", "interrupted")}
         return answered >= set(job.targets) and not self.group.exited
 
-    def _after_failure(self, job: launcher.Job) -> None:
+    def _after_failure(self, job: Job) -> None:
         # Every rank came back from the cell (they failed alike, before any collective): the pool
         # stays.  A rank still waiting in a collective (or dead) means the group cannot be trusted.
         deadline = time.monotonic() + 0.5
         while not self._answered(job) and time.monotonic() < deadline:
             self.group.pump(0.05)
         if not self._answered(job):
-            waiting = sorted(set(job.targets) - set(job._results) - set(job._failures))
+            outcome = job.outcome
+            waiting = sorted(set(job.targets) - set(outcome.results) - set(outcome.failures))
             why = f"rank(s) {', '.join(map(str, waiting))} were left waiting in a collective" if waiting else \
                 "a rank failed inside a collective"
             self.restart(why)
 
-    def _interrupted(self, job: launcher.Job) -> None:
+    def _interrupted(self, job: Job) -> None:
         """Interrupt stops the cell, not the pool: bring every rank back to a common point, or restart."""
         if self._stopping:
             self.restart("stopping")  # only ends the ranks
@@ -315,15 +318,12 @@ class Pool:
 
         def handler(rank, kind, body):
             if body.get("task") == task_id:
-                (synced if kind == "synced" else failed if kind == "failed" else set()).add(rank)
+                (synced if kind == protocol.SYNCED else failed if kind == protocol.FAILED else set()).add(rank)
 
-        previous, group.handler = group.handler, handler
-        try:
+        with group.diverted(handler):
             for rank in range(self.spec.world_size):
-                group.send(rank, ("sync", {"task": task_id, "timeout": _SYNC_TIMEOUT_S}))
+                group.send(rank, (protocol.SYNC, {"task": task_id, "timeout": _SYNC_TIMEOUT_S}))
             deadline = time.monotonic() + _SYNC_TIMEOUT_S + 1
             while len(synced) < self.spec.world_size and not failed and time.monotonic() < deadline:
                 group.pump(0.05)
-        finally:
-            group.handler = previous
         return len(synced) == self.spec.world_size

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 GiB = 2**30
-WORKER_MODULE = "ddp_notebook.worker"
+WORKER_MODULES = ("ddp_notebook.rank.worker", "ddp_notebook.worker")  # (the second: ranks of earlier versions)
 BUSY_UTILIZATION = 10  # percent
 BUSY_MEMORY_FRACTION = 0.10
 
@@ -145,7 +145,7 @@ def _apply_visible(found: list[GPU], entries: list[str] | None) -> list[GPU]:
 def _rank_of(pid: int) -> tuple[int, int | None] | None:
     """(rank, kernel pid) when ``pid`` is a rank of a ddp_notebook job (or a process it started), else None.
 
-    Looked up by pid only, with psutil: a rank runs ``python -m ddp_notebook.worker``
+    Looked up by pid only, with psutil: a rank runs ``python -m ddp_notebook.rank.worker``
     and carries ``DDP_NOTEBOOK_RANK`` in its environment.
     """
     try:
@@ -156,7 +156,7 @@ def _rank_of(pid: int) -> tuple[int, int | None] | None:
         proc = psutil.Process(pid)
         for _ in range(4):  # the rank itself, or a DataLoader worker under it
             cmdline = proc.cmdline()
-            if WORKER_MODULE in cmdline and "-m" in cmdline:
+            if "-m" in cmdline and any(module in cmdline for module in WORKER_MODULES):
                 rank = None
                 try:
                     rank = proc.environ().get("DDP_NOTEBOOK_RANK")

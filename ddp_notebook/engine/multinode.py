@@ -8,7 +8,7 @@ hosts the rendezvous store that the other hosts' agents join (torchrun's static
 rendezvous expects an agent on node 0).  Every rank of every node connects back
 to the notebook's channel, proves it holds the job's key, and then talks to the
 notebook exactly as a notebook's own rank does (:mod:`ddp_notebook.runner`), so
-results, failures and ``report()`` of all nodes reach the :class:`~ddp_notebook.launcher.Job`
+results, failures and ``report()`` of all nodes reach the :class:`~ddp_notebook.engine.job.Job`
 and its dashboard.
 
 The agent runs in a session of its own, its output relayed with rank prefixes
@@ -19,19 +19,18 @@ other nodes' ranks at once (a rank whose notebook is gone exits).  Notebook side
 from __future__ import annotations
 
 import codecs
-import errno
 import os
 import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
-from . import exporting
-from .channel import ChannelServer
-from .errors import LaunchError
-from .ranks import RankGroup
+from . import export as exporting
+from ..wire.channel import ChannelServer
+from ..wire.errors import LaunchError
+from .backend import ChannelRanks, rank_environment
+from .spec import bind_port
 
 NODE_STARTUP_TIMEOUT_S = 600.0  # the other hosts are started by hand: give them time to join
 DEFAULT_EXPORT = "ddp_node_job.py"
@@ -50,15 +49,9 @@ def node_spec(spec, nnodes, node_rank, master_addr, export_path):
         raise LaunchError("--nnodes needs --master-addr: this host's address, as the other hosts reach it")
     local = spec.world_size
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((master_addr, spec.port or 0))
+        with bind_port(master_addr, spec.port) as sock:  # (a port in use is refused there)
             spec.port = sock.getsockname()[1]
     except OSError as exc:
-        if spec.port:
-            if exc.errno == errno.EADDRINUSE:
-                raise LaunchError(f"port {spec.port} is already in use on {master_addr}; pick another or leave "
-                                  f"--port out for a free one. No rank was started.") from None
         raise LaunchError(f"--master-addr {master_addr} is not an address of this host ({exc.strerror or exc}): "
                           f"the notebook runs node 0, which hosts the master; give this host's address as the "
                           f"other hosts reach it") from None
@@ -91,13 +84,13 @@ def _channel_host(master_addr: str) -> str:
     return "0.0.0.0"
 
 
-class NodeGroup(RankGroup):
+class TorchrunNode(ChannelRanks):
     """Node 0 of a multi-host job: this host's torchrun agent, and the channel every node's ranks join."""
 
-    def __init__(self, spec, relay, task, task_id: int):
+    runs_own_task = True  # every node's ranks run the export
+
+    def __init__(self, spec, relay):
         super().__init__(spec, relay)
-        self.task = task
-        self.task_id = task_id
         self.local = spec.world_size // spec.nnodes
         self.port = spec.port
         self.exported: exporting.Exported | None = None
@@ -107,53 +100,39 @@ class NodeGroup(RankGroup):
         self._partial = {"stdout": "", "stderr": ""}
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._partial}
 
-    def start(self, store_sock=None) -> "NodeGroup":
-        spec = self.spec
-        self.started_at = time.time()
-        self.workdir = tempfile.mkdtemp(prefix="ddp_notebook-")  # the agent's logs
-        try:
-            self._channel = ChannelServer(_channel_host(spec.master_addr))
-            notebook = {"address": [spec.master_addr, self._channel.address[1]], "key": self._channel.key.hex(),
-                        "task": self.task_id, "job_dir": self.workdir}
-            self.exported = exporting.write(self.task, spec.export_path, seed=spec.seed, timeout=spec.timeout,
-                                            backend=spec.backend, notebook=notebook)
-            self._start_agent()
-        except BaseException:
-            self.kill()
-            raise
-        return self
+    def launch(self, task, task_id: int) -> None:
+        spec = self.spec  # (the workdir holds the agent's logs)
+        self.channel = ChannelServer(_channel_host(spec.master_addr))
+        notebook = {"address": [spec.master_addr, self.channel.address[1]], "key": self.channel.key.hex(),
+                    "task": task_id, "job_dir": self.workdir}
+        self.exported = exporting.write(task, spec.export_path, seed=spec.seed, timeout=spec.timeout,
+                                        backend=spec.backend, notebook=notebook)
+        self._start_agent()
 
     def _start_agent(self) -> None:
         spec = self.spec
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spec.nnodes), "--node-rank", "0",
                "--nproc-per-node", str(self.local), "--master-addr", spec.master_addr, "--master-port",
                str(self.port), "--tee", "3", "--log-dir", os.path.join(self.workdir, "logs"), self.exported.script]
-        env = dict(os.environ)
-        env.update(spec.env)
-        env.update(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=_PREFIX_TEMPLATE, PYTHONUNBUFFERED="1")
-        if "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.local))
-        if spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env.pop("MPLBACKEND", None)  # the kernel's matplotlib backend would make every rank import ipykernel
+        env = rank_environment(spec, self.port, -1, -1, self.local)  # the agent sets each rank's own variables
+        env.update(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=_PREFIX_TEMPLATE)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, cwd=os.getcwd(), start_new_session=True)
-        self._procs.append(proc)
+        self.procs.append(proc)
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             os.set_blocking(pipe.fileno(), False)
-            self._pipes[pipe.fileno()] = (-1, stream)
+            self.pipes[pipe.fileno()] = (-1, stream)
 
     # -- the agent's output: torchrun prefixes each rank's lines --------------------------------
-    def _read_pipe(self, fd: int) -> None:
-        _, stream = self._pipes[fd]
+    def read_output(self, fd: int) -> None:
+        _, stream = self.pipes[fd]
         try:
             data = os.read(fd, 1 << 16)
         except BlockingIOError:
             return
         final = not data
         if final:
-            del self._pipes[fd]
+            del self.pipes[fd]
         text = self._partial[stream] + self._decoders[stream].decode(data, final)
         lines = text.split("\n")
         self._partial[stream] = "" if final else lines.pop()
@@ -164,41 +143,42 @@ class NodeGroup(RankGroup):
             elif not self._stopping:
                 self.relay.feed(-1, stream, (line + "\n").encode())
 
-    def _drain(self, rank: int) -> None:
-        super()._drain(rank)  # that rank's messages
+    def drain(self, rank: int) -> None:
+        """That rank's messages, and the agent's output."""
+        super().drain(rank)
         self._drain_agent()
 
     def _drain_agent(self) -> None:
         """The agent's output up to its end, within a second (a stray might hold the pipe open)."""
         deadline = time.monotonic() + 1.0
-        while self._pipes and time.monotonic() < deadline:
-            for fd in list(self._pipes):
-                self._read_pipe(fd)
+        while self.pipes and time.monotonic() < deadline:
+            for fd in list(self.pipes):
+                self.read_output(fd)
             time.sleep(0.01)
 
     # -- who has ended: ranks by their connection, node 0's also by the agent -------------------
-    def _notice_exits(self) -> None:
-        for conn, rank in self._conns.items():
+    def check_exits(self) -> None:
+        for conn, rank in self.connections.items():
             if rank >= 0:
                 self._conn_rank[conn] = rank
-        for conn in [c for c in self._conn_rank if c not in self._conns]:
+        for conn in [c for c in self._conn_rank if c not in self.connections]:
             rank = self._conn_rank.pop(conn)
             if rank not in self.exited:
                 self.exited[rank] = None  # its exit status is its host's to know
-                self.on_exit(rank, None)
-        agent = self._procs[0] if self._procs else None
+                self._on_exit(rank, None)
+        agent = self.procs[0] if self.procs else None
         if agent is not None and not self._agent_ended and agent.poll() is not None:
             self._agent_ended = True
             self._drain_agent()
             for rank in range(self.local):  # node 0's ranks that never said goodbye
                 if rank not in self.exited:
                     self.exited[rank] = agent.returncode
-                    self.on_exit(rank, agent.returncode)
+                    self._on_exit(rank, agent.returncode)
 
     def shut_down(self, wait: float = 10.0) -> None:
         """The job is done: let this host's agent end with its ranks, then stop whatever is left."""
         deadline = time.monotonic() + wait
-        while self._procs and self._procs[0].poll() is None and time.monotonic() < deadline:
+        while self.procs and self.procs[0].poll() is None and time.monotonic() < deadline:
             self.pump(0.05)
         self.kill()
 
@@ -208,5 +188,5 @@ class NodeGroup(RankGroup):
 
     @property
     def alive(self) -> list[int]:
-        return [] if not self._procs or self._procs[0].poll() is not None else \
+        return [] if not self.procs or self.procs[0].poll() is not None else \
             [r for r in range(self.local) if r not in self.exited]

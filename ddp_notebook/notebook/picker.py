@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import ipywidgets as widgets
 
-from . import gpus as gpu_discovery
-from . import launcher
-from .errors import LaunchError
+from ..engine import devices as gpu_discovery
+from ..engine import spec as job_spec
+from ..wire.errors import LaunchError
 
 _active: "GPUPicker | None" = None
 
@@ -47,7 +47,7 @@ class GPUPicker(widgets.VBox):
         self.header = widgets.HTML()
         self.rows = widgets.VBox()
         self.cpu_ranks = widgets.BoundedIntText(
-            value=cpu_ranks or launcher.DEFAULT_CPU_RANKS, min=1, max=max(8, 4 * (os.cpu_count() or 1)),
+            value=cpu_ranks or job_spec.DEFAULT_CPU_RANKS, min=1, max=max(8, 4 * (os.cpu_count() or 1)),
             description="CPU ranks", style={"description_width": "initial"}, layout=widgets.Layout(width="170px"))
         self.cpu_ranks.observe(self._changed, "value")
         self.refresh_button = widgets.Button(description="Refresh", icon="refresh", tooltip="read the GPUs again",
@@ -141,7 +141,7 @@ class GPUPicker(widgets.VBox):
         previous, _active = _active, self
         if previous is not None and previous is not self:
             previous.summary.value = "<i>A newer GPU picker is in charge.</i>"
-        launcher.set_default_devices(self._default)
+        job_spec.set_default_devices(self._default)
         self._changed()
         return self
 
@@ -178,4 +178,4 @@ def forget() -> None:
     if _active is not None:
         _active.summary.value = "<i>This choice was dropped; cells that name no devices use the defaults.</i>"
     _active = None
-    launcher.set_default_devices(None)
+    job_spec.set_default_devices(None)

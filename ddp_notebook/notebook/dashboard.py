@@ -22,10 +22,11 @@ import time
 import warnings
 from typing import Any
 
-from . import launcher
-from .callbacks import Forwarder
-from .history import History, Reducer
-from .metrics import META_KEYS, TOTAL_KEYS, format_record
+from ..wire import protocol
+from ..engine import job as engine_job
+from ..engine.callbacks import Forwarder
+from ..engine.history import History, Reducer
+from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.25
 MIN_REDRAW_S = 0.5  # a few figure redraws a second at most
@@ -38,7 +39,8 @@ WIDGET_TEXT = "ddp_notebook live metrics (widgets; the final figure follows as a
 
 def install() -> None:
     """Watch every job the launcher starts from now on (idempotent)."""
-    launcher.observe_jobs(watch)
+    engine_job.observe_jobs(watch)
+    engine_job.set_viewer(show)
 
 
 def watch(job) -> None:
@@ -112,7 +114,7 @@ class Status:
     def of_finished(cls, job) -> "Status":
         status = cls(job.spec.world_size, job.started_at or time.time())
         status.ended_at = job.ended_at
-        status.outcome = "done" if job.done and getattr(job, "_outcome", ("ok",))[0] == "ok" else "ended"
+        status.outcome = "done" if job.status == "done" else "ended"
         return status
 
     def epoch_fraction(self) -> float | None:
@@ -293,6 +295,19 @@ class Plot:
         self._figure = figure
 
 
+def _forget_fonts() -> None:
+    """Let go of the fonts matplotlib opened for the dashboard's threads.
+
+    matplotlib keeps the fonts it opens (and their fds) per thread id, up to 64
+    threads: every dashboard's drawing thread would leave its own set open in the
+    kernel long after it ended.  There is no public way to drop one thread's.
+    """
+    font_manager = sys.modules.get("matplotlib.font_manager")
+    clear = getattr(getattr(font_manager, "_get_font", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 class TextView:
     """Outside a notebook: one compact line per epoch (step-wise reports: one every few seconds)."""
 
@@ -444,6 +459,7 @@ class WidgetView:
             snapshot = watcher.curves.snapshot()
             summary = watcher.status.line(watcher.reducer, time.time())
         png = self.plot.render(snapshot, title=summary, compress_level=6)
+        _forget_fonts()
         if png is None:
             return
         if threading.get_ident() != self._created_on:
@@ -482,10 +498,16 @@ class Watcher:
                 warnings.warn(f"ddp_notebook: live metrics failed on a {kind!r} event: {exc!r}", stacklevel=1)
 
     def add_view(self, view) -> None:
-        self.views.append(view)
+        """Keep the view up to date; finish it at once if the job has already ended (it ticks until then)."""
+        with self.lock:  # _ended sets the outcome under it, then finishes the views it has
+            ended = self.status.outcome is not None
+            if not ended:
+                self.views.append(view)
+        if ended:
+            view.finish([])
 
     def _on_event(self, kind: str, rank: int, body: dict) -> None:
-        if kind == "metric":
+        if kind == protocol.METRIC:
             with self.lock:
                 updates = []
                 for report in body["reports"]:
@@ -495,17 +517,17 @@ class Watcher:
             self.forwarder.send(updates)
             self._first_report()
             self._tell_views("updated", updates)
-        elif kind == "progress":
+        elif kind == protocol.PROGRESS:
             with self.lock:
                 self.status.progress[rank] = (int(body["done"]), int(body["total"]))
             self._first_report()
-        elif kind == "ready":
+        elif kind == protocol.READY:
             self.status.ready.add(rank)
             if len(self.status.ready) == self.status.world_size:
                 self.status.training_since = time.time()
-        elif kind == "exited":
+        elif kind == protocol.EXITED:
             self.status.exited.add(rank)
-        elif kind == "ended":
+        elif kind == protocol.ENDED:
             self._ended(body)
 
     def _first_report(self) -> None:
@@ -515,10 +537,10 @@ class Watcher:
         self._view_chosen = True
         if threading.get_ident() != self._started_on:
             return  # a job waited on in the background: its output would land in another cell; job.show()
-        self.views.append(WidgetView(self) if widget_frontend() else TextView(self))
+        self.add_view(WidgetView(self) if widget_frontend() else TextView(self))
 
     def _ended(self, body: dict) -> None:
-        outcome = getattr(self.job, "_outcome", None)
+        stopped = self.job.status == "stopped"
         with self.lock:
             updates = self.reducer.finish()
             for update in updates:
@@ -526,7 +548,7 @@ class Watcher:
             self.status.ended_at = self.job.ended_at or time.time()
             if body.get("ok"):
                 self.status.outcome = "done"
-            elif outcome is not None and isinstance(outcome[1], KeyboardInterrupt):
+            elif stopped:
                 self.status.outcome = "stopped"
             else:
                 self.status.outcome = "failed"
@@ -553,4 +575,4 @@ def attach(job) -> None:
     if watcher is None or not widget_frontend():
         return
     watcher._view_chosen = True
-    watcher.views.append(WidgetView(watcher, stop=job.stop))
+    watcher.add_view(WidgetView(watcher, stop=lambda: job.stop(by="the dashboard's Stop button")))

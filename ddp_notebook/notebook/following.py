@@ -19,10 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..wire import protocol
 from . import dashboard
-from .errors import Failure, RankError, blame
-from .launcher import EventSource
-from .runner import METRICS_PREFIX, METRICS_SUFFIX
+from ..wire.errors import Failure, RankError, blame
+from ..engine.job import EventSource
+from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX
 
 POLL_S = 0.25
 QUIET_AFTER_FAILURE_S = 5.0  # a failed run's nodes may not write their end: the files' silence ends it
@@ -82,9 +83,11 @@ class FollowedRun(EventSource):
 
     @property
     def status(self) -> str:
-        """'waiting' (no run yet), 'running' (still running when following stopped), 'done' or 'failed'."""
+        """'waiting' (no run yet), 'running' (still running), 'stopped' (following was stopped), 'done' or 'failed'."""
         if self.run_id is None:
             return "waiting"
+        if self._outcome is not None and isinstance(self._outcome[1], KeyboardInterrupt):
+            return "stopped"  # following was stopped
         if self.finished:
             return "failed" if self.failures or not all(self.nodes_ended.values()) else "done"
         return "failed" if self.failures else "running"
@@ -119,7 +122,7 @@ class FollowedRun(EventSource):
                 except ValueError:
                     continue  # not a line of ours
         if self.run_id is None:
-            starts = [r for r in records if r.get("event") == "start"]
+            starts = [r for r in records if r.get("event") == protocol.FILE_START]
             if not starts:
                 return 0
             newest = max(starts, key=lambda r: r["time"])
@@ -138,25 +141,25 @@ class FollowedRun(EventSource):
 
     def _take(self, record: dict) -> None:
         event, rank = record.get("event"), record.get("rank", -1)
-        if event == "start":
+        if event == protocol.FILE_START:
             self.nodes_started.add(record["node"])
-        elif event == "ready":
-            self._emit("ready", rank, {})
-        elif event == "metric":
-            self._emit("metric", rank, {"reports": [{k: record[k] for k in _REPORT_KEYS if k in record}]})
-        elif event == "progress":
-            self._emit("progress", rank, {"done": record["done"], "total": record["total"]})
-        elif event == "failed":
+        elif event == protocol.READY:
+            self.emit(protocol.READY, rank, {})
+        elif event == protocol.METRIC:
+            self.emit(protocol.METRIC, rank, {"reports": [{k: record[k] for k in _REPORT_KEYS if k in record}]})
+        elif event == protocol.PROGRESS:
+            self.emit(protocol.PROGRESS, rank, {"done": record["done"], "total": record["total"]})
+        elif event == protocol.FAILED:
             if rank not in self.failures:
                 self.failures[rank] = Failure(rank, record["etype"], record["message"], record["traceback"],
                                               record["time"], record["kind"])
-            self._emit("failed", rank, record)
-        elif event == "exit":
+            self.emit(protocol.FAILED, rank, record)
+        elif event == protocol.FILE_EXIT:
             if record.get("lost") and rank not in self.failures:
                 self.failures[rank] = Failure(rank, "RankDied", f"rank {rank} ended without reporting an error",
                                               "", record["time"], "exit")
-            self._emit("exited", rank, {"code": None if record.get("lost") else 0})
-        elif event == "end":
+            self.emit(protocol.EXITED, rank, {"code": None if record.get("lost") else 0})
+        elif event == protocol.FILE_END:
             self.nodes_ended[record["node"]] = bool(record["ok"])
             self.ended_at = max(self.ended_at or 0.0, record["time"])
 
@@ -174,7 +177,7 @@ class FollowedRun(EventSource):
             self._outcome = ("ok", None) if ok else ("error", self.error or RuntimeError("a node did not end well"))
         if self.ended_at is None or stopped and not self.finished:
             self.ended_at = time.time()
-        self._emit("ended", -1, {"ok": ok})
+        self.emit(protocol.ENDED, -1, {"ok": ok})
 
 
 def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, callbacks: list | tuple = (),
@@ -211,6 +214,9 @@ def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, cal
         print(f"ddp_notebook: stopped following {run_dir}; the run goes on (follow it again to pick it up)",
               file=sys.stderr)
         return run
+    except BaseException:
+        run.end(stopped=True)  # the live dashboard's thread ends with its view
+        raise
     if run.run_id is None:
         print(f"ddp_notebook: no run has written metrics in {run_dir} yet", file=sys.stderr)
         return run

@@ -11,12 +11,10 @@ import threading
 import time
 from typing import Any
 
+from ..wire import protocol
+from ..wire.protocol import TOTAL_KEYS, format_record
 from . import context
 
-X_KEYS = ("epoch", "step")
-TOTAL_KEYS = {"epoch": "epochs", "step": "steps"}
-# Keys that describe where a record sits, not what was measured.
-META_KEYS = frozenset(("epoch", "step", "epochs", "steps", "partial"))
 
 PROGRESS_INTERVAL_S = 0.1  # at most ~10 progress events a second per rank
 BATCH_WINDOW_S = 0.05  # reports that follow within this time travel in one message
@@ -136,7 +134,7 @@ def _queue_report(sender, body: dict) -> None:
             batch = _open_batch = _Batch(sender)
         batch.reports.append(body)
     if fresh:
-        sender.send("metric", batch)
+        sender.send(protocol.METRIC, batch)
 
 
 def progress(done: int, total: int) -> None:
@@ -150,26 +148,4 @@ def progress(done: int, total: int) -> None:
     if done < total and now - _last_progress_sent < PROGRESS_INTERVAL_S:
         return
     _last_progress_sent = now
-    context.send("progress", {"done": done, "total": total})
-
-
-def format_number(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def format_record(record: dict, suffix: str = "") -> str:
-    """One compact line: ``epoch 3/10  train_loss 0.4123  val_acc 0.931``."""
-    parts = []
-    for key in X_KEYS:
-        if key in record:
-            total = record.get(TOTAL_KEYS[key])
-            parts.append(f"{key} {format_number(record[key])}" + (f"/{total}" if total is not None else ""))
-    for name, value in record.items():
-        if name not in META_KEYS:
-            parts.append(f"{name} {format_number(value)}")
-    if record.get("partial"):
-        parts.append(f"(partial: {record['partial']})")
-    line = "  ".join(parts)
-    return f"{line}  {suffix}" if suffix else line
+    context.send(protocol.PROGRESS, {"done": done, "total": total})

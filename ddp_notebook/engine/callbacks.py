@@ -7,16 +7,31 @@ logins or network access.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 import warnings
 from typing import Any, Callable, Iterable
 
-from .metrics import META_KEYS
+from ..wire.errors import LaunchError
+from ..wire.protocol import META_KEYS
 
 
 def _metric_items(record: dict):
     return [(name, value) for name, value in record.items() if name not in META_KEYS]
+
+
+def _require(package: str, what: str) -> None:
+    """Refuse now, before any rank starts, a logger whose package is missing (it would drop every record)."""
+    if sys.modules.get(package) is not None:  # imported already (None there: blocked)
+        return
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise LaunchError(f"{what} needs the {package} package, which this Python ({sys.executable}) cannot "
+                          f"import: pip install {package}")
 
 
 def _x_of(record: dict) -> int:
@@ -28,6 +43,7 @@ class TensorBoard:
     """Write each record as scalars with ``torch.utils.tensorboard.SummaryWriter(logdir)``."""
 
     def __init__(self, logdir: str):
+        _require("tensorboard", f"TensorBoard logging (--tensorboard {logdir})")
         self.logdir = logdir
         self._writer = None
 
@@ -50,6 +66,7 @@ class WandB:
     """Log each record to the current Weights & Biases run (``wandb.init()`` is called if there is none)."""
 
     def __init__(self, **init_kwargs: Any):
+        _require("wandb", "Weights & Biases logging (--callback wandb)")
         self.init_kwargs = init_kwargs
 
     def __call__(self, record: dict) -> None:

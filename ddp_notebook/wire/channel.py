@@ -12,23 +12,27 @@ import queue
 import secrets
 import socket
 import threading
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 __all__ = ["ChannelServer", "connect", "Sender"]
 
 
 class ChannelServer:
-    """Listens for ranks; accepted, authenticated connections are queued."""
+    """Listens for ranks; accepted, authenticated connections are queued.
+
+    ``close()`` ends the listening port and every thread the server started.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, key: bytes | None = None):
         self.key = key or secrets.token_bytes(32)
-        # The HMAC handshake runs per connection in its own thread: a peer that
-        # connects and stays silent must not hold up the ranks behind it.
-        self._listener = Listener((host, port), family="AF_INET", backlog=256)
-        self.address = self._listener.address
+        self._sock = socket.create_server((host, port), backlog=256)
+        self.address = self._sock.getsockname()[:2]
         self.refused = 0
         self._accepted: queue.Queue[Connection] = queue.Queue()
-        self._handshaking: set[Connection] = set()
+        # The HMAC handshake runs per connection in its own thread: a peer that
+        # connects and stays silent must not hold up the ranks behind it.
+        self._handshaking: dict[Connection, threading.Thread] = {}
+        self._lock = threading.Lock()  # a connection leaves _handshaking before its thread closes it
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="ddp-channel-accept", daemon=True)
         self._thread.start()
@@ -36,23 +40,29 @@ class ChannelServer:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
+                sock, _ = self._sock.accept()
             except OSError:
-                return  # listener closed
-            self._handshaking.add(conn)
-            threading.Thread(target=self._handshake, args=(conn,), name="ddp-channel-auth", daemon=True).start()
+                return  # listener shut down
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            thread = threading.Thread(target=self._handshake, args=(conn,), name="ddp-channel-auth", daemon=True)
+            with self._lock:
+                self._handshaking[conn] = thread
+                thread.start()
 
     def _handshake(self, conn: Connection) -> None:
         try:
             deliver_challenge(conn, self.key)
             answer_challenge(conn, self.key)
-        except Exception:  # wrong key, garbage, or a peer that hung up
+            ok = True
+        except Exception:  # wrong key, garbage, a peer that hung up, or close()
+            ok = False
+        with self._lock:
+            self._handshaking.pop(conn, None)
+        if not ok:
             self.refused += 1
             conn.close()
-            return
-        finally:
-            self._handshaking.discard(conn)
-        if self._closed:
+        elif self._closed:
             conn.close()
         else:
             self._accepted.put(conn)
@@ -66,19 +76,29 @@ class ChannelServer:
             except queue.Empty:
                 return conns
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop listening, end the server's threads and close the connections nobody took."""
         self._closed = True
+        # Closing alone would not wake a thread blocked in accept(): the port
+        # would go on listening, with no fd left, for as long as the process.
         try:
-            self._listener.close()
+            self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._thread.join(timeout)
+        self._sock.close()
+        with self._lock:
+            for conn in self._handshaking:
+                try:  # wakes a handshake blocked on a silent peer
+                    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            threads = list(self._handshaking.values())
+        for thread in threads:
+            thread.join(timeout)
         for conn in self.new_connections():
             conn.close()
-        for conn in list(self._handshaking):
-            try:  # wakes a handshake blocked on a silent peer
-                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 def connect(address: tuple[str, int], key: bytes) -> Connection:

@@ -1,0 +1,146 @@
+"""The front door: ``launch()``, ``spawn()`` and what the magic shares with them.
+
+Chooses where a task runs (the warm pool, fresh ranks, or this host as node 0
+of several), pickles it once and hands it to a :class:`~ddp_notebook.engine.job.Job`.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from .engine import devices as gpu_discovery
+from .engine import multinode, pool
+from .engine.local import LocalRanks
+from .engine.callbacks import resolve as resolve_callback
+from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
+from .engine.output import OutputRelay
+from .engine.spec import JobSpec, check_options, resolve_devices
+from .wire import payload
+
+
+def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
+           port: int | None = None, seed: int | None = None, backend: str | None = None,
+           timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
+           nnodes: int = 1, master_addr: str | None = None, export: str | None = None) -> Any:
+    """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
+
+    With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
+    ``callbacks`` get each metric record the ranks ``report()``, reduced over
+    all ranks, in this process.  ``background=True`` returns the running
+    :class:`Job` at once (``job.wait()`` gives the values).
+
+    ``nnodes > 1``: this host runs node 0 (the devices named here) of a job on
+    that many hosts, with the master at ``master_addr:port``; the call is
+    exported to the script ``export`` (default ``ddp_node_job.py``), which the
+    other hosts run with torchrun (the command is printed).
+    """
+    check_options(port, seed, timeout)
+    callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
+    warm = warm_pool_for(gpus, cpus, nnodes)
+    spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
+                master_addr=master_addr, export=export)
+    task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
+    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background))
+    return job.run_in_background() if background else job.result()
+
+
+def warm_pool_for(gpus: Any = None, cpus: int | None = None, nnodes: int = 1,
+                  export_only: bool = False) -> pool.Pool | None:
+    """The warm pool that runs a job asking for these devices: the running one when none are named, on one host,
+    for a run (an export only writes files); else None."""
+    if gpus is None and cpus is None and nnodes == 1 and not export_only:
+        return pool.current()
+    return None
+
+
+def plan(warm: pool.Pool | None, *, gpus: Any = None, cpus: int | None = None, backend: str | None = None,
+         port: int | None = None, seed: int | None = None, timeout: float | None = None, nnodes: int = 1,
+         node_rank: int | None = 0, master_addr: str | None = None, export: str | None = None,
+         output_ranks: set[int] | None = None) -> JobSpec:
+    """Where and how a job runs: on ``warm`` (the warm pool, which refuses options it cannot honour), on fresh
+    ranks of the devices asked for, or with ``nnodes > 1`` as node 0 of several hosts.  Refuses with LaunchError
+    before anything starts; shared by ``%%ddp`` and :func:`launch`."""
+    if warm is not None:
+        warm.refuse_job_options(port=port, timeout=timeout, backend=backend)
+        return warm.spec_for(seed, output_ranks)
+    spec = resolve_devices(gpus, cpus, backend)
+    spec.port, spec.seed, spec.timeout, spec.output_ranks = port, seed, timeout, output_ranks
+    if nnodes != 1:
+        spec = multinode.node_spec(spec, nnodes, node_rank, master_addr, export)
+    return spec
+
+
+def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+          start_method: str = "spawn") -> Any:
+    """Drop-in for ``torch.multiprocessing.spawn`` that accepts notebook-defined functions.
+
+    Calls ``fn(rank, *args)`` in ``nprocs`` processes; the user's code sets up
+    the process group (MASTER_ADDR/MASTER_PORT are preset to a free port).
+    Returns the per-rank return values, or with ``join=False`` a handle whose
+    ``join()`` waits (``daemon`` and ``start_method`` are accepted and ignored).
+    """
+    spec = JobSpec(world_size=nprocs, backend="gloo", init_group=False)
+    gpu_list = gpu_discovery.discover()
+    if gpu_list:
+        # As under mp.spawn, every process sees every GPU and picks its own.
+        spec.gpus = [g.visible_id for g in gpu_list]
+    task = payload.CallTask(fn, tuple(args), {}, True, payload.sources_for(fn))
+    if join:
+        return run_job(spec, task)
+    return SpawnContext(start_job(prepare_job(spec, task, on_pool=False, background=True)).run_in_background())
+
+
+class SpawnContext:
+    """What ``spawn(..., join=False)`` returns, like ``mp.spawn``'s ProcessContext."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.pids = lambda: [job.pids[r] for r in sorted(job.pids)]
+
+    def join(self, timeout: float | None = None) -> bool:
+        """True once every process has finished; raises the first rank's error."""
+        if not self.job.join(timeout):
+            return False
+        self.job.result()
+        return True
+
+    def result(self) -> list[Any]:
+        return self.job.result()
+
+
+def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
+                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False) -> Job:
+    """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.
+
+    ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
+    arrays (copied) rather than the notebook's own pages (moved, which only a waiting notebook allows).
+    """
+    warm = pool.current() if on_pool else None
+    # several hosts: exported when the job starts
+    data = task if spec.nnodes > 1 else payload.dumps(task, snapshot=background)
+    try:
+        if warm is not None:
+            job = warm.job(data, spec, targets, relay)
+        else:  # several hosts: this host as node 0, under a torchrun agent
+            job = Job(spec, data, relay=relay, backend=multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks)
+    except BaseException:
+        payload.release(data)
+        raise
+    job.callbacks = list(callbacks)
+    for note in spec.notes:
+        print(f"ddp_notebook: {note}", file=sys.stderr)
+    return job
+
+
+def start_job(job: Job) -> Job:
+    try:
+        return job.start()
+    except BaseException:
+        payload.release(job.task)  # no rank ever ran: its shared arrays go now
+        raise
+
+
+def run_job(spec: JobSpec, task: Any, callbacks: list | tuple = ()) -> list[Any]:
+    """Run the task as a fresh job and wait for its per-rank values."""
+    return start_job(prepare_job(spec, task, callbacks, on_pool=False)).result()
+

@@ -1,0 +1,323 @@
+"""Where the ranks of one attempt run: the interface a job talks to, and what the process backends share.
+
+A :class:`RankBackend` starts the ranks of a job spec, moves their output to
+the job's relay and their messages to the job, reports each rank's exit (its
+code, a negative signal number, or None when only a lost connection tells),
+and stops them.  Implementations: :class:`~ddp_notebook.engine.local.LocalRanks`
+(subprocesses of this host) and :class:`~ddp_notebook.engine.multinode.TorchrunNode`
+(this host as node 0 under a torchrun agent); a new one (a Slurm allocation)
+is one more module with a subclass.  :func:`rank_environment` is the torchrun
+environment contract every backend gives its ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from multiprocessing.connection import wait as wait_ready
+from typing import Any, Callable, Iterator
+
+from ..wire import protocol
+from ..wire.channel import ChannelServer
+from .output import OutputRelay
+
+log = logging.getLogger("ddp_notebook")
+
+MessageHandler = Callable[[int, str, dict], None]
+ExitHandler = Callable[[int, "int | None"], None]
+
+
+def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_world_size: int,
+                     node: int = 0) -> dict[str, str]:
+    """The environment of one rank: the kernel's, the spec's extra variables and the torchrun contract.
+
+    With ``rank`` -1 (a torchrun agent, which sets the per-rank variables itself) only what all ranks share.
+    """
+    env = dict(os.environ)
+    env.update(spec.env)
+    env["PYTHONUNBUFFERED"] = "1"
+    if rank >= 0:
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(node), "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": spec.master_addr,
+            "MASTER_PORT": str(port), "DDP_NOTEBOOK_RANK": str(rank),
+        })
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_world_size))
+    if spec.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env.pop("MPLBACKEND", None)  # the kernel's matplotlib backend would make every rank import ipykernel
+    return env
+
+
+class RankBackend:
+    """Where the ranks of one attempt run (see the module's docstring); the job uses nothing else of them."""
+
+    #: True when the ranks run the task they were started with (an export); else the job sends it (RUN).
+    runs_own_task = False
+
+    def __init__(self, spec, relay: OutputRelay):
+        self.spec = spec
+        self.relay = relay
+        self.pids: dict[int, int] = {}
+        self.port: int | None = None
+        self.workdir: str | None = None
+        self.ready: set[int] = set()
+        self.exited: dict[int, int | None] = {}
+        self.started_at: float | None = None
+        self._on_message: MessageHandler = lambda rank, kind, body: None
+        self._on_exit: ExitHandler = lambda rank, code: None
+
+    def attach(self, on_message: MessageHandler, on_exit: ExitHandler | None = None) -> None:
+        """From now on, rank messages go to ``on_message`` and rank exits to ``on_exit``."""
+        self._on_message = on_message
+        if on_exit is not None:
+            self._on_exit = on_exit
+
+    @contextlib.contextmanager
+    def diverted(self, on_message: MessageHandler) -> Iterator[None]:
+        """Messages go to ``on_message`` for a while (a warm pool's barrier), then back."""
+        previous, self._on_message = self._on_message, on_message
+        try:
+            yield
+        finally:
+            self._on_message = previous
+
+    def start(self, task: Any = None, task_id: int = 0) -> "RankBackend":
+        """Start every rank; ``task`` is for backends whose ranks run it themselves."""
+        raise NotImplementedError
+
+    def send(self, rank: int, message: tuple) -> None:
+        """Send ``(kind, body)`` to a rank now, or as soon as it has connected."""
+        raise NotImplementedError
+
+    def pump(self, timeout: float = 0.1) -> None:
+        """Wait up to ``timeout`` for output or messages and hand them on; notice exits."""
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> list[int]:
+        """The ranks still running."""
+        raise NotImplementedError
+
+    def shut_down(self, wait: float = 10.0) -> None:
+        """The job is done: let the ranks end cleanly, then stop whatever is left."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """Stop every rank and anything it started, and remove what the backend made."""
+        raise NotImplementedError
+
+
+class ChannelRanks(RankBackend):
+    """Ranks as processes of this host that talk to the notebook over the authenticated channel.
+
+    The shared machinery of the process backends: the channel and its
+    connections (each rank says who it is first), the processes' output pipes,
+    stopping and reaping.  An implementation starts its processes in
+    :meth:`launch` (registering them in ``procs`` and their pipes in ``pipes``)
+    and may override the hooks :meth:`read_output`, :meth:`check_exits` and
+    :meth:`drain`.
+    """
+
+    def __init__(self, spec, relay: OutputRelay):
+        super().__init__(spec, relay)
+        self.procs: list[subprocess.Popen] = []
+        self.pipes: dict[int, tuple[int, str]] = {}  # fd -> (rank, stream); rank -1: the process speaks for many
+        self.connections: dict[Any, int] = {}  # connection -> rank (-1 until its hello)
+        self.channel: ChannelServer | None = None
+        self._queued: dict[int, list[tuple]] = {}  # messages for ranks not connected yet
+
+    def start(self, task: Any = None, task_id: int = 0) -> "ChannelRanks":
+        """Start every rank (:meth:`launch`); what was started is stopped again if that fails."""
+        self.started_at = time.time()
+        self.workdir = tempfile.mkdtemp(prefix="ddp_notebook-")  # mode 0700
+        try:
+            self.launch(task, task_id)
+        except BaseException:
+            self.kill()  # ranks already started are stopped and reaped too
+            raise
+        log.debug("ranks started: %s, pids %s, port %s", type(self).__name__, self.pids, self.port)
+        return self
+
+    def launch(self, task: Any, task_id: int) -> None:
+        """Start the processes (an implementation's part of :meth:`start`)."""
+        raise NotImplementedError
+
+    # -- talk ------------------------------------------------------------
+    def send(self, rank: int, message: tuple) -> None:
+        for conn, r in self.connections.items():
+            if r == rank:
+                try:
+                    conn.send(message)
+                except OSError:
+                    pass  # its exit tells the rest
+                return
+        self._queued.setdefault(rank, []).append(message)
+
+    def signal(self, ranks, sig: int) -> None:
+        """Send ``sig`` to these ranks' processes."""
+        for rank in ranks:
+            proc = self.procs[rank]
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    @property
+    def alive(self) -> list[int]:
+        return [rank for rank, proc in enumerate(self.procs) if proc.poll() is None]
+
+    # -- watch -----------------------------------------------------------
+    def pump(self, timeout: float = 0.1) -> None:
+        self.take_new_connections()
+        for obj in wait_ready(list(self.connections) + list(self.pipes), timeout):
+            if isinstance(obj, int):
+                self.read_output(obj)
+            else:
+                self.read_connection(obj)
+        self.relay.maybe_flush()
+        self.check_exits()
+
+    def take_new_connections(self) -> None:
+        """Adopt the connections the channel has authenticated since the last call."""
+        if self.channel is not None:
+            for conn in self.channel.new_connections():
+                self.connections[conn] = -1
+
+    def check_exits(self) -> None:
+        """Record ranks whose process has ended, and tell the job (hook: processes of other kinds)."""
+        self.take_new_connections()  # a rank's report may sit on a connection accepted a moment ago
+        for rank, proc in enumerate(self.procs):
+            if rank not in self.exited and proc.poll() is not None:
+                self.exited[rank] = proc.returncode
+                log.debug("rank %s exited with %s", rank, proc.returncode)
+                self.drain(rank)
+                self._on_exit(rank, proc.returncode)
+
+    def read_output(self, fd: int) -> None:
+        """Read what a rank wrote to one of its pipes (hook: output that interleaves several ranks)."""
+        rank, stream = self.pipes[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if data:
+            self.relay.feed(rank, stream, data)
+        else:
+            del self.pipes[fd]
+
+    def read_connection(self, conn) -> None:
+        """Hand on the messages waiting on one connection."""
+        try:
+            while conn.poll():
+                kind, body = conn.recv()
+                rank = self.connections.get(conn, -1)
+                if kind == protocol.HELLO:
+                    rank = self.connections[conn] = int(body["rank"])
+                    for message in self._queued.pop(rank, []):
+                        conn.send(message)
+                elif rank < 0:
+                    continue  # nothing counts before a rank has said who it is
+                elif kind == protocol.READY:
+                    self.ready.add(rank)
+                log.debug("rank %s: %s %s", rank, kind, sorted(body))
+                self._on_message(rank, kind, body)
+        except (EOFError, OSError):
+            self.connections.pop(conn, None)
+            conn.close()
+
+    def drain(self, rank: int) -> None:
+        """Read what an exited rank left in its pipes and its connection (without waiting: a child of the
+        rank may still hold its stdout open)."""
+        for fd, (r, _) in list(self.pipes.items()):
+            if r == rank:
+                for _ in range(256):  # at most 16 MiB of leftover output
+                    if fd not in self.pipes or not wait_ready([fd], 0):
+                        break
+                    try:
+                        self.read_output(fd)
+                    except OSError:
+                        self.pipes.pop(fd, None)
+        for conn, r in list(self.connections.items()):
+            if r in (rank, -1):
+                self.read_connection(conn)
+
+    # -- stop ------------------------------------------------------------
+    def shut_down(self, wait: float = 10.0) -> None:
+        for rank in range(len(self.procs)):
+            self.send(rank, (protocol.EXIT, {}))
+        deadline = time.monotonic() + wait
+        while len(self.exited) < len(self.procs) and time.monotonic() < deadline:
+            self.pump(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil is a dependency
+            psutil = None
+        strays = []
+        for proc in self.procs:
+            if proc.poll() is None and psutil is not None:
+                try:
+                    strays += psutil.Process(proc.pid).children(recursive=True)
+                except psutil.Error:
+                    pass
+        for proc in self.procs:
+            if proc.poll() is not None:  # the rank is gone, but what it started may live on in its group
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self.procs if p.poll() is None]
+            for proc in alive:
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for child in strays:  # descendants that left the rank's process group
+                try:
+                    child.send_signal(sig)
+                except Exception:
+                    pass
+            deadline = time.monotonic() + (1.0 if sig == signal.SIGTERM else 5.0)
+            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not any(p.poll() is None for p in alive):
+                break
+        for rank, proc in enumerate(self.procs):
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            self.drain(rank)
+        self.relay.flush(final=True)
+        log.debug("ranks stopped: pids %s, exits %s", self.pids, self.exited)
+        for proc in self.procs:
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        self.pipes.clear()
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel and remove the group's directory."""
+        for conn in list(self.connections):
+            conn.close()
+        self.connections.clear()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None

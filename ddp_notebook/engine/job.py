@@ -1,0 +1,413 @@
+"""Start, watch and stop the ranks of a job.
+
+One mechanism for the magic, ``launch``, ``spawn`` and warm pools: a
+:class:`Job` runs one task on a :class:`~ddp_notebook.engine.backend.RankBackend` (its
+own, started for it, or a pool's), collects the per-rank results, blames the
+rank that failed first, and reports every event to its listeners.  It knows
+nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import signal
+import threading
+import time
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..wire import payload, protocol
+from ..wire.errors import Failure, JobStopped, RankError, blame
+from .backend import RankBackend
+from .local import LocalRanks
+from .output import OutputRelay
+from .spec import JobSpec
+
+log = logging.getLogger("ddp_notebook")
+Listener = Callable[["Job", str, int, dict], None]
+
+_last_job: "Job | None" = None
+# For %ddp_jobs. Weak: a running job is held by its thread, an ended one only by whoever still uses it.
+_background_jobs: list["weakref.ref[Job]"] = []
+# Called with each job as it starts, before its ranks: where views attach their listeners.
+_job_observers: list[Callable[["Job"], None]] = []
+# Draws a job's dashboard again (Job.show): installed by the notebook side, which the engine never imports.
+_viewer: Callable[["EventSource"], None] | None = None
+
+
+def set_viewer(viewer: Callable[["EventSource"], None]) -> None:
+    """Install what ``show()`` of a job (or a followed run) calls."""
+    global _viewer
+    _viewer = viewer
+
+
+def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
+    """Call ``observer(job)`` for every job from now on, as it starts (once per observer)."""
+    if observer not in _job_observers:
+        _job_observers.append(observer)
+    return observer
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+_task_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Where a job stands: its status, what each rank has returned or how it failed so far, and when."""
+
+    status: str  # 'running', 'done', 'failed' or 'stopped'
+    results: dict[int, Any]  # rank -> its return value
+    failures: dict[int, Failure]  # rank -> how it failed
+    error: BaseException | None  # once failed or stopped
+    started_at: float | None
+    ended_at: float | None
+
+
+class EventSource:
+    """What views need of a run: listeners for its events, its reduced ``history``, a way to redraw it,
+    and its ``status`` ('running', 'done', 'failed', 'stopped', ...)."""
+
+    listeners: list[Listener]
+    status: str
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(job, kind, rank, body)`` for every event a rank sends."""
+        self.listeners.append(listener)
+
+    def emit(self, kind: str, rank: int, body: dict) -> None:
+        """Hand an event to every listener."""
+        for listener in list(self.listeners):
+            listener(self, kind, rank, body)
+
+    def show(self) -> None:
+        """Draw the metrics dashboard again from the history (widgets in a notebook, text elsewhere)."""
+        if _viewer is None:
+            raise RuntimeError("no view to show jobs with: import ddp_notebook (its front door installs one)")
+        _viewer(self)
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+
+class Job(EventSource):
+    """One task run on a group of ranks; ``result()`` waits for it and returns the per-rank values.
+
+    A job starts its own ranks and ends them afterwards, or runs on the ranks
+    of a warm pool (``group``), possibly on some of them only (``targets``).
+    """
+
+    def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0,
+                 group: RankBackend | None = None, targets: list[int] | None = None,
+                 backend: Callable[[Any, OutputRelay], RankBackend] = LocalRanks,
+                 on_interrupt: Callable[["Job"], None] | None = None):
+        self.spec = spec
+        self.task = task
+        self.relay = relay or OutputRelay(ranks=spec.output_ranks)
+        self.grace = grace
+        self.group = group
+        self.targets = list(range(spec.world_size)) if targets is None else list(targets)
+        self.on_interrupt = on_interrupt
+        self.task_id = next(_task_ids)
+        self.listeners: list[Listener] = []
+        self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
+        self.callbacks: list[Any] = []  # each reduced metric record is sent to these (see callbacks.py)
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.backend = backend  # what starts the job's own ranks (not used on a warm pool's)
+        self._owns_group = group is None
+        self._task_path: str | None = None
+        self._results: dict[int, Any] = {}
+        self._failures: dict[int, Failure] = {}
+        self._first_failure_at: float | None = None
+        self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
+        self._thread: threading.Thread | None = None
+        self._finishing = False
+        self._stop_requested = False
+        self._stopped_by = "job.stop()"
+        self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.group.pids if self.group is not None else {}
+
+    @property
+    def port(self) -> int | None:
+        return self.group.port if self.group is not None else None
+
+    @property
+    def workdir(self) -> str | None:
+        return self.group.workdir if self.group is not None else None
+
+    @property
+    def status(self) -> str:
+        """'running', 'done', 'failed' or 'stopped'."""
+        if self._outcome is None or self.ended_at is None:
+            return "running"
+        kind, value = self._outcome
+        stopped = isinstance(value, (KeyboardInterrupt, JobStopped))
+        return "done" if kind == "ok" else "stopped" if stopped else "failed"
+
+    @property
+    def outcome(self) -> Outcome:
+        """A snapshot of where the job stands (the per-rank answers so far while it runs)."""
+        return Outcome(self.status, dict(self._results), dict(self._failures), self.error, self.started_at,
+                       self.ended_at)
+
+    @property
+    def results(self) -> list[Any] | None:
+        """The per-rank return values once the job has succeeded."""
+        return self._outcome[1] if self._outcome is not None and self._outcome[0] == "ok" else None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The job's error once it has failed; :class:`JobStopped` once stopped (``KeyboardInterrupt`` when
+        a foreground run was interrupted)."""
+        return self._outcome[1] if self._outcome is not None and self._outcome[0] == "error" else None
+
+    def __repr__(self) -> str:
+        where = f"{self.spec.world_size} GPU ranks" if self.spec.gpus else f"{self.spec.world_size} CPU ranks"
+        return f"<ddp_notebook Job #{self.task_id} on {where}: {self.status}>"
+
+    # -- start -----------------------------------------------------------
+    def start(self) -> "Job":
+        global _last_job
+        _last_job = self
+        spec = self.spec
+        self.started_at = time.time()
+        for observe in list(_job_observers):
+            observe(self)
+        if self._owns_group:
+            self.group = self.backend(spec, self.relay).start(self.task, self.task_id)
+        else:
+            self.group.relay = self.relay
+        self.group.attach(self._on_message, self._on_exit)
+        log.debug("job #%s started on %s: %s ranks, port %s", self.task_id, type(self.group).__name__,
+                  spec.world_size, self.port)
+        if not self.group.runs_own_task:
+            self._send_task()
+        self.emit(protocol.STARTED, -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
+        return self
+
+    def _send_task(self) -> None:
+        try:
+            self._task_path = payload.write(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
+        except BaseException:
+            if self._owns_group:
+                self.group.kill()
+            raise
+        for rank in self.targets:
+            self.group.send(rank, (protocol.RUN, {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed}))
+
+    # -- watch -----------------------------------------------------------
+    def _pump(self, timeout: float = 0.1) -> None:
+        self.group.pump(timeout)
+        self._check_progress()
+
+    def _on_message(self, rank: int, kind: str, body: dict) -> None:
+        if body.get("task", self.task_id) != self.task_id:
+            return  # a late word about an earlier cell of a warm pool
+        if kind == protocol.RESULT and rank in self.targets:
+            try:
+                self._results[rank] = pickle.loads(body["value"])
+            except Exception as exc:
+                self._add_failure(Failure(rank, type(exc).__name__, f"its return value could not be unpickled "
+                                          f"in the notebook: {exc}", "", time.time(), "user"))
+        elif kind == protocol.FAILED:
+            self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"],
+                                      body["kind"]))
+        self.emit(kind, rank, body)
+
+    def _on_exit(self, rank: int, code: int | None) -> None:
+        if rank not in self._results and rank not in self._failures and self._outcome is None \
+                and not self._finishing:
+            if code is None:  # a rank on another host: only its connection tells
+                how = "lost its connection to the notebook (it, its torchrun agent or its host ended)"
+            else:
+                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            if code in (-signal.SIGABRT, 134):
+                how += " (abort or crash)"
+            elif code == -signal.SIGSEGV:
+                how += " (segmentation fault)"
+            self._add_failure(Failure(rank, "RankDied", f"rank {rank} {how} without reporting an error",
+                                      "", time.time(), "exit"))
+        self.emit(protocol.EXITED, rank, {"code": code})
+
+    def _add_failure(self, failure: Failure) -> None:
+        if failure.rank in self._failures:
+            return
+        self._failures[failure.rank] = failure
+        if self._first_failure_at is None:
+            self._first_failure_at = time.monotonic()
+
+    def _check_progress(self) -> None:
+        spec = self.spec
+        targets = self.targets
+        if self._failures:
+            answered = set(self._results) | set(self._failures) | set(self.group.exited)
+            # A real error needs no wait; a crash barely any; a lost peer may be
+            # the echo of an error whose report is still on its way.
+            kinds = {f.kind for f in self._failures.values()}
+            wait = 0.3 if kinds & {"user", "startup"} else 0.5 if "exit" in kinds else self.grace
+            if answered >= set(targets) or time.monotonic() - self._first_failure_at >= wait:
+                self._fail()
+            return
+        if len(self._results) == len(targets):
+            self._outcome = ("ok", [self._results[r] for r in targets])
+            return
+        group = self.group
+        if spec.init_group and len(group.ready) + len(group.exited) < spec.world_size \
+                and time.time() - group.started_at > spec.startup_timeout:
+            late = sorted(set(range(spec.world_size)) - group.ready)
+            self._add_failure(Failure(late[0], "StartupTimeout",
+                                      f"ranks {', '.join(map(str, late))} did not join the process group within "
+                                      f"{spec.startup_timeout:.0f} s (start-up bound, not --timeout)",
+                                      "", time.time(), "startup"))
+
+    def _fail(self) -> None:
+        failures = sorted(self._failures.values(), key=lambda f: f.rank)
+        cause = blame(failures)
+        note = ""
+        timed_out = [f.rank for f in failures if f.kind == "timeout"]
+        if cause.kind == "timeout":
+            finished = sorted(self._results)
+            note = f"ranks {', '.join(map(str, timed_out))} were stuck in a collective until the timeout " \
+                   f"({self.spec.timeout} s)"
+            if finished:
+                note += f"; rank(s) {', '.join(map(str, finished))} finished the cell without joining it"
+            elif len(timed_out) < len(self.targets):
+                stuck_elsewhere = sorted(set(self.targets) - set(timed_out))
+                note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
+        others = [f.rank for f in failures if f.rank != cause.rank]
+        if len(failures) == len(self.targets) > 1 and len({f.headline() for f in failures}) == 1:
+            note = "(every rank failed the same way)"
+        elif others and cause.kind != "timeout":
+            note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
+        self._outcome = ("error", RankError(cause, failures, note))
+
+    # -- wait / stop -----------------------------------------------------
+    def result(self) -> list[Any]:
+        """Wait for the job; the per-rank return values, or raise the first rank's error."""
+        return self.wait()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for a background job; True once it has ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return self.done and not self._thread.is_alive()
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Wait (at most ``timeout`` seconds for a background job); what the foreground run would return."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"job #{self.task_id} is still running after {timeout} s")
+        else:
+            self._run()
+        kind, value = self._outcome
+        if kind == "error":
+            raise value
+        return value
+
+    def _run(self) -> None:
+        try:
+            while self._outcome is None and not self._stop_requested:
+                self._pump()
+        except BaseException:
+            self._stop_now()
+            raise
+        if self._outcome is None:
+            self._stop_now()  # stop() asked for it
+        else:
+            self._finish()
+
+    def run_in_background(self) -> "Job":
+        _background_jobs.append(weakref.ref(self))
+        self._thread = threading.Thread(target=self._run_quietly, name="ddp-job", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run_quietly(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001
+            if self._outcome is None:
+                self._outcome = ("error", exc)
+
+    def _finish(self) -> None:
+        """Let ranks exit cleanly on success; stop them at once on failure."""
+        self._finishing = True
+        if self._owns_group:
+            if self._outcome[0] == "ok":
+                self.group.shut_down()
+            else:
+                self.group.kill()
+        self._end()
+
+    def stop(self, timeout: float = 10.0, *, by: str = "job.stop()") -> None:
+        """Stop the job: its own ranks are ended; on a warm pool the pool brings its ranks back.
+
+        Its ``status`` becomes 'stopped' and ``wait()`` raises :class:`JobStopped` naming ``by``.
+        """
+        if not self._stop_requested:
+            self._stopped_by = by
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            self._stop_requested = True  # the job's own thread stops it: it owns the ranks' pipes
+            thread.join(timeout)
+            return
+        if self.ended_at is None:
+            self._stop_requested = True
+            self._stop_now()
+
+    def _stop_now(self) -> None:
+        self._finishing = True
+        if self._outcome is None:  # stopped, or a foreground run interrupted (Jupyter's stop button)
+            stopped = JobStopped(self.task_id, self._stopped_by) if self._stop_requested else KeyboardInterrupt()
+            self._outcome = ("error", stopped)
+        if self._owns_group:
+            if self.group is not None:
+                self.group.kill()
+        elif self.on_interrupt is not None:
+            self.on_interrupt(self)
+        self._end()
+
+    def _end(self) -> None:
+        if self._task_path is not None:
+            try:
+                os.unlink(self._task_path)
+            except OSError:
+                pass
+            self._task_path = None
+        payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
+        if self.ended_at is None:
+            self.ended_at = time.time()
+            log.debug("job #%s ended: %s", self.task_id, self.status)
+            self.relay.flush(final=True)
+            self.emit(protocol.ENDED, -1, {"ok": self._outcome[0] == "ok"})
+            for callback in self.on_done:
+                callback(self)
+
+
+def last_job() -> Job | None:
+    """The most recently started job."""
+    return _last_job
+
+
+def background_jobs() -> list[Job]:
+    """The background jobs of this process (``%%ddp --background``, ``launch(..., background=True)``), oldest
+    first: those running, and those ended that something still refers to."""
+    jobs = [ref() for ref in _background_jobs]
+    _background_jobs[:] = [ref for ref, job in zip(_background_jobs, jobs) if job is not None]
+    return [job for job in jobs if job is not None]

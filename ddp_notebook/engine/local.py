@@ -1,0 +1,69 @@
+"""The rank processes of a job or a warm pool: start them, relay what they say, stop them.
+
+Each rank is ``python -m ddp_notebook.rank.worker`` in its own session (so Jupyter's
+interrupt does not reach it; the notebook decides), with the torchrun
+environment contract, and a JSON bootstrap on stdin that holds the channel key
+(never on the command line).  Messages from a rank go to the job once the rank
+has said who it is (:class:`~ddp_notebook.engine.backend.ChannelRanks`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from ..wire.channel import ChannelServer
+from .backend import ChannelRanks, rank_environment
+from .spec import bind_port, free_port
+
+
+class LocalRanks(ChannelRanks):
+    """Every rank a subprocess of this kernel, in its own session."""
+
+    def launch(self, task: Any, task_id: int) -> None:
+        spec = self.spec
+        store_sock = None
+        try:
+            if spec.init_group:  # rank 0's TCPStore takes over a socket bound here: no one can take the port
+                store_sock = bind_port(spec.master_addr, spec.port)
+                self.port = store_sock.getsockname()[1]
+            elif self.port is None:
+                self.port = spec.port or free_port(spec.master_addr)
+            self.channel = ChannelServer(spec.master_addr)
+            for rank in range(spec.world_size):
+                self._start_rank(rank, store_sock)
+        finally:
+            if store_sock is not None:
+                store_sock.close()  # rank 0 holds its own copy
+
+    def _start_rank(self, rank: int, store_sock: socket.socket | None) -> None:
+        spec = self.spec
+        pass_fds = ()
+        boot = {
+            "rank": rank, "local_rank": rank, "world_size": spec.world_size, "local_world_size": spec.world_size,
+            "address": list(self.channel.address), "key": self.channel.key.hex(),
+            "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
+            # spawn() leaves devices to the user's code, as mp.spawn does: no set_device for it.
+            "gpus": spec.gpus is not None and spec.init_group, "backend": spec.backend, "init_group": spec.init_group,
+            "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
+            "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
+        }
+        if rank == 0 and store_sock is not None:
+            os.set_inheritable(store_sock.fileno(), True)
+            pass_fds = (store_sock.fileno(),)
+            boot["store_fd"] = store_sock.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_notebook.rank.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=rank_environment(spec, self.port, rank, rank, spec.world_size), cwd=os.getcwd(), start_new_session=True,
+            pass_fds=pass_fds,
+        )
+        self.procs.append(proc)
+        self.pids[rank] = proc.pid
+        proc.stdin.write(json.dumps(boot).encode())
+        proc.stdin.close()
+        for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self.pipes[pipe.fileno()] = (rank, stream)

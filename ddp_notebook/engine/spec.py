@@ -1,0 +1,160 @@
+"""What a job asks for: its devices, its options and its master port, checked before anything starts.
+
+One place for the rules the magic and ``launch()`` share: ``--gpus`` parsing,
+device choice, option checks and binding the master port.
+"""
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..wire.errors import LaunchError
+from . import devices as gpu_discovery
+
+DEFAULT_CPU_RANKS = 2
+# What chooses the devices of cells and launches that name none: the GPU picker. Explicit flags win, and a
+# warm pool, which runs such cells itself, wins over it.
+_default_devices: Callable[[], tuple[str, Any] | None] | None = None
+
+
+def set_default_devices(fn: Callable[[], tuple[str, Any] | None] | None) -> None:
+    """Install (or, with None, remove) what chooses the devices of cells and launches that name none.
+
+    ``fn()`` returns ``("gpus", [indices])``, ``("cpus", n)`` or None (no opinion).
+    """
+    global _default_devices
+    _default_devices = fn
+
+
+
+@dataclass
+class JobSpec:
+    """Where and how the ranks run."""
+
+    world_size: int
+    gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES entries; None for CPU ranks
+    backend: str = "gloo"
+    port: int | None = None
+    seed: int | None = None
+    timeout: float | None = None  # per collective, passed to init_process_group
+    startup_timeout: float = 120.0
+    init_group: bool = True
+    output_ranks: set[int] | None = None  # None: every rank's output
+    master_addr: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # told to the user at start
+    nnodes: int = 1  # > 1: this host is node 0 of a job on several hosts (nodes.py); world_size counts them all
+    export_path: str | None = None  # the script the other hosts run under torchrun (nnodes > 1)
+
+
+def parse_gpus(gpus: Any) -> int | list[int]:
+    """``--gpus`` / ``gpus=``: a count, or a list of indices (``"0,2"``, ``[0, 2]``, ``"3,"``)."""
+    if isinstance(gpus, bool):
+        raise LaunchError(f"gpus must be a count or a list of indices, not {gpus!r}")
+    if isinstance(gpus, int):
+        return gpus
+    if isinstance(gpus, str):
+        text = gpus.strip()
+        if "," not in text:
+            try:
+                return int(text)
+            except ValueError:
+                raise LaunchError(f"--gpus {gpus!r}: give a count (2) or indices (0,2,5; one index is written 3,)") from None
+        try:
+            return [int(p) for p in text.split(",") if p.strip()]
+        except ValueError:
+            raise LaunchError(f"--gpus {gpus!r}: indices must be integers, as in 0,2,5") from None
+    return [int(i) for i in gpus]
+
+
+def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | None = None) -> JobSpec:
+    """Turn the user's device request into a spec, or refuse it before anything starts."""
+    if gpus is not None and cpus is not None:
+        raise LaunchError("give either gpus or cpus, not both")
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}")
+    notes: list[str] = []
+    if gpus is None and cpus is None and _default_devices is not None:
+        chosen = _default_devices()
+        if chosen is not None:
+            kind, value = chosen
+            gpus, cpus = (value, None) if kind == "gpus" else (None, value)
+            notes.append(f"using the {kind} chosen in the GPU picker: {value}")
+    if cpus is not None:
+        if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
+            raise LaunchError(f"cpus must be a positive number of ranks, not {cpus!r}")
+        if backend == "nccl":
+            raise LaunchError("the nccl backend needs GPUs; CPU ranks use gloo")
+        return JobSpec(world_size=cpus, backend="gloo", notes=notes)
+    available = gpu_discovery.discover()
+    if gpus is None:
+        if not available:
+            if backend == "nccl":
+                raise LaunchError("the nccl backend needs GPUs, and this machine has none")
+            return JobSpec(world_size=DEFAULT_CPU_RANKS, backend="gloo", notes=notes)
+        chosen_gpus = available
+    else:
+        request = parse_gpus(gpus)
+        if isinstance(request, int):
+            if request < 1:
+                raise LaunchError(f"gpus must be at least 1, not {request}")
+            if request > len(available):
+                raise LaunchError(f"{request} GPUs asked for, but this machine has {len(available)}: "
+                                  f"{gpu_discovery.describe(available)}")
+            chosen_gpus = sorted(gpu_discovery.least_busy(available, request), key=lambda g: g.index)
+            if request < len(available):
+                notes.append(f"using the {request} least busy GPUs: "
+                             + ", ".join(f"{g.index} ({g.load_text()})" for g in chosen_gpus))
+        else:
+            if not request:
+                raise LaunchError("--gpus: no GPU index given")
+            if len(set(request)) != len(request):
+                raise LaunchError(f"--gpus lists a GPU twice: {request}")
+            by_index = {g.index: g for g in available}
+            unknown = [i for i in request if i not in by_index]
+            if unknown:
+                raise LaunchError(f"GPU {', '.join(map(str, unknown))} not found; this machine has "
+                                  f"{len(available)}: {gpu_discovery.describe(available)}")
+            chosen_gpus = [by_index[i] for i in request]
+    shared = [g for g in chosen_gpus if g.our_ranks]
+    if shared:
+        notes.append("already running a ddp_notebook job: "
+                     + "; ".join(f"GPU {g.index}: {g.jobs_text()}" for g in shared))
+    return JobSpec(world_size=len(chosen_gpus), gpus=[g.visible_id for g in chosen_gpus],
+                   backend=backend or "nccl", notes=notes)
+
+
+def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None) -> None:
+    """Refuse malformed job options before anything starts."""
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+        raise LaunchError(f"port must be between 1 and 65535, not {port!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise LaunchError(f"seed must be a non-negative integer, not {seed!r}")
+    for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def bind_port(addr: str, port: int | None) -> socket.socket:
+    """A listening socket for rank 0's TCPStore: the port is never free for anyone else to take."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port or 0))
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(f"port {port} is already in use on {addr}; pick another or leave --port out "
+                              f"for a free one. No rank was started.") from None
+        raise
+    return sock
+
+
+def free_port(addr: str) -> int:
+    """A port free on ``addr`` now (for ranks that bind it themselves)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]

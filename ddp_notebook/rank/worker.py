@@ -1,0 +1,270 @@
+"""A rank's entry point: ``python -m ddp_notebook.worker``.
+
+The notebook writes a small JSON bootstrap (channel address, key, rank, ...) to
+the rank's stdin.  The rank connects back, sets up the process group once, then
+serves tasks until told to exit.  If the notebook goes away (channel closed or
+parent gone), the rank ends its own process group at once: an orphan must never
+hold a GPU.  Rank side: no IPython, ipywidgets or matplotlib here.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import queue
+
+from ..wire import protocol
+from ..wire import channel
+from . import context
+from ..wire import payload, sharing
+from ..wire.errors import classify, format_exception
+
+_PARENT_POLL_S = 0.5
+_job_dir: str | None = None  # the notebook's private job directory, removed if the notebook dies
+
+
+def _die_with_group() -> None:
+    """The notebook is gone: remove what it left and take the whole rank (and its DataLoader workers) down."""
+    try:
+        if _job_dir:
+            import shutil
+
+            shutil.rmtree(_job_dir, ignore_errors=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            _die_with_group()
+
+
+def _receive_tasks(conn, tasks: "queue.Queue") -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            _die_with_group()
+            return
+        tasks.put(msg)
+        if msg[0] == protocol.EXIT:
+            return
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def set_device(ctx: context.RankContext, gpus: bool) -> None:
+    """The rank's device: its own GPU (``cuda:LOCAL_RANK`` of the GPUs it sees), or the CPU."""
+    import torch
+
+    if gpus:
+        torch.cuda.set_device(ctx.local_rank)
+        ctx.device = torch.device("cuda", ctx.local_rank)
+    else:
+        ctx.device = torch.device("cpu")
+    sharing.set_rank_device(ctx.device)
+
+
+def join_group(ctx: context.RankContext, backend: str, timeout: float | None, store=None) -> None:
+    """``init_process_group`` with the job's options: on ``store``, or from the environment (env://, torchrun)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    kwargs = {}
+    if timeout:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = ctx.device
+    if store is not None:
+        kwargs.update(store=store, rank=ctx.rank, world_size=ctx.world_size)
+    dist.init_process_group(backend, **kwargs)
+
+
+def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    set_device(ctx, boot["gpus"])
+    if not boot["init_group"]:
+        return
+    startup = datetime.timedelta(seconds=boot["startup_timeout"])
+    extra = {}
+    if boot.get("store_fd") is not None:
+        extra["master_listen_fd"] = boot["store_fd"]
+    store = dist.TCPStore(
+        boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
+        timeout=startup, wait_for_workers=False, **extra,
+    )
+    join_group(ctx, boot["backend"], boot.get("timeout"), store)
+    ctx.extra["store"] = store
+
+
+def _sync(ctx, sender, body: dict) -> None:
+    """Meet every other rank at a barrier kept in the TCPStore, so a broken process group cannot hang it."""
+    store = ctx.extra.get("store")
+    key = f"ddp_notebook/sync/{body['task']}"
+    try:
+        if store is None:
+            raise RuntimeError("no store to meet at")
+        store.add(key, 1)
+        deadline = time.monotonic() + body.get("timeout", 5.0)
+        while store.add(key, 0) < ctx.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every rank came back")
+            time.sleep(0.005)
+        sender.send(protocol.SYNCED, {"task": body["task"]})
+    except Exception as exc:  # noqa: BLE001
+        sender.send(protocol.FAILED, {**failure_report(exc, {}, kind="comm"), "task": body["task"]})
+    sender.flush()
+
+
+def failure_report(exc: BaseException, labels: dict, kind: str | None = None) -> dict:
+    return {
+        "etype": type(exc).__name__,
+        "message": str(exc),
+        "traceback": format_exception(exc, labels),
+        "time": time.time(),
+        "kind": kind or classify(exc),
+    }
+
+
+def _report_failure(sender, body: dict) -> None:
+    # Fault injection for the blame tests: make this rank's report arrive late,
+    # after the bystanders' lost-peer errors.
+    delay = float(os.environ.get("DDP_NOTEBOOK_TEST_DELAY_FAILURE_REPORT", "0") or 0)
+    if delay and body["kind"] == "user":
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        time.sleep(delay)
+    sender.send(protocol.FAILED, body)
+
+
+def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None = None, namespace: dict | None = None,
+             interruptible: threading.Event | None = None) -> dict | None:
+    """Run one task as every rank runs it (a notebook's rank, or an exported script's under torchrun).
+
+    ``load()`` gives the task; with ``seed`` every generator is seeded first; the
+    cell runs in ``namespace``.  The result, or the failure with the cell's own
+    traceback, goes to the notebook through ``sender`` (None: there is no
+    notebook).  Returns the failure's report, or None when the task succeeded.
+    """
+    task = None
+    failure = None
+    try:
+        if interruptible is not None:
+            interruptible.set()
+        task = load()
+        if seed is not None:
+            _seed_everything(seed)
+        value = task.run(ctx, namespace)
+        if interruptible is not None:
+            interruptible.clear()
+        if sender is not None:
+            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value)})
+    except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
+        if interruptible is not None:
+            interruptible.clear()
+        labels = task.sources.labels if task is not None else {}
+        failure = failure_report(exc, labels, kind="interrupted" if isinstance(exc, KeyboardInterrupt) else None)
+        failure["task"] = task_id
+        if sender is not None:
+            _report_failure(sender, failure)
+    if sender is not None:
+        sender.flush()
+    return failure
+
+
+def main() -> None:
+    faulthandler.enable()  # a crashing rank shows where it crashed
+    boot = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    sys.path[:] = boot["sys_path"]
+    global _job_dir
+    _job_dir = boot.get("job_dir")
+    parent = os.getppid()
+    if parent != boot["parent_pid"]:
+        _die_with_group()
+    threading.Thread(target=_watch_parent, args=(parent,), name="ddp-parent-watch", daemon=True).start()
+
+    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))
+    sender = channel.Sender(conn)
+    ctx = context.RankContext(
+        rank=boot["rank"], local_rank=boot["local_rank"], world_size=boot["world_size"],
+        local_world_size=boot["local_world_size"], sender=sender,
+    )
+    context.set_current(ctx)
+    sender.send(protocol.HELLO, {"rank": ctx.rank, "pid": os.getpid()})
+    tasks: queue.Queue = queue.Queue()
+    threading.Thread(target=_receive_tasks, args=(conn, tasks), name="ddp-channel-recv", daemon=True).start()
+
+    try:
+        _init_process_group(boot, ctx)
+    except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported
+        _report_failure(sender, failure_report(exc, {}, kind="startup"))
+        sender.flush()
+        os._exit(1)
+    sender.send(protocol.READY, {})
+
+    namespace: dict = {}  # kept across tasks: a warm rank remembers the cell's names
+    interruptible = threading.Event()
+
+    def interrupt(signum, frame):  # the notebook interrupts a cell, never the loop between cells
+        if interruptible.is_set():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    while True:
+        kind, body = tasks.get()
+        if kind == protocol.EXIT:
+            break
+        if kind == protocol.SYNC:
+            _sync(ctx, sender, body)
+            continue
+        if kind != protocol.RUN:
+            continue
+        run_task(ctx, sender, body["task"], lambda: payload.load(body["path"]), body.get("seed"), namespace,
+                 interruptible)
+
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    sender.send(protocol.BYE, {})
+    sender.flush()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""What the notebook and its ranks say to each other: message kinds, metric records, metrics files.
+
+Messages on the channel are ``(kind, body)`` tuples of plain dicts; every body
+that concerns a task carries its ``task`` id.  Both sides name the kinds from
+here.  A job hands each message on to its listeners, together with the three
+events it adds itself (``STARTED``, ``EXITED``, ``ENDED``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# The notebook to a rank
+RUN = "run"  # {task, path, seed}: load the task file and run it
+SYNC = "sync"  # {task, timeout}: a warm pool's barrier after an interrupt
+EXIT = "exit"  # {}: leave cleanly
+
+# A rank to the notebook
+HELLO = "hello"  # {rank, pid[, node, host]}: the first message on a connection
+READY = "ready"  # {}: the process group is up
+RESULT = "result"  # {task, value}: the pickled return value (rank side: payload.dumps_result)
+FAILED = "failed"  # {task, etype, message, traceback, time, kind}: see errors.Failure
+METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
+PROGRESS = "progress"  # {done, total}: progress() within an epoch
+SYNCED = "synced"  # {task}: answer to SYNC
+BYE = "bye"  # {}: the rank is leaving
+
+# What a job adds for its listeners
+STARTED = "started"  # {world_size, port, pids}
+EXITED = "exited"  # {code}: a rank's process ended (code None: on another host)
+ENDED = "ended"  # {ok}
+
+# Metric records: what report() sends, reduced over ranks in the notebook.
+X_KEYS = ("epoch", "step")
+TOTAL_KEYS = {"epoch": "epochs", "step": "steps"}
+META_KEYS = frozenset(("epoch", "step", "epochs", "steps", "partial"))  # where a record sits, not what it measured
+
+# Exported runs write their events to one JSON-lines file per node: records {"event": ..., "time", "run", "node",
+# "rank", ...}, read back by follow().  READY, METRIC, PROGRESS and FAILED carry the fields of the messages above.
+METRICS_PREFIX, METRICS_SUFFIX = "metrics-node", ".jsonl"
+FILE_START = "start"  # {world_size, ...}: the first record of a node
+FILE_EXIT = "exit"  # {rank[, lost]}: a rank left (lost: its connection broke)
+FILE_END = "end"  # {ok}: the node's last record
+RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
+
+
+def metrics_path(run_dir: str, node: int) -> str:
+    """The metrics file of node ``node`` of an exported run."""
+    return os.path.join(run_dir, f"{METRICS_PREFIX}{node}{METRICS_SUFFIX}")
+
+
+def format_number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_record(record: dict, suffix: str = "") -> str:
+    """One compact line: ``epoch 3/10  train_loss 0.4123  val_acc 0.931``."""
+    parts = []
+    for key in X_KEYS:
+        if key in record:
+            total = record.get(TOTAL_KEYS[key])
+            parts.append(f"{key} {format_number(record[key])}" + (f"/{total}" if total is not None else ""))
+    for name, value in record.items():
+        if name not in META_KEYS:
+            parts.append(f"{name} {format_number(value)}")
+    if record.get("partial"):
+        parts.append(f"(partial: {record['partial']})")
+    line = "  ".join(parts)
+    return f"{line}  {suffix}" if suffix else line

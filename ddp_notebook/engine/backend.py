@@ -11,6 +11,7 @@ environment contract every backend gives its ranks.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import os
@@ -57,7 +58,7 @@ def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_w
     return env
 
 
-class RankBackend:
+class RankBackend(abc.ABC):
     """Where the ranks of one attempt run (see the module's docstring); the job uses nothing else of them."""
 
     #: True when the ranks run the task they were started with (an export); else the job sends it (RUN).
@@ -90,30 +91,30 @@ class RankBackend:
         finally:
             self._on_message = previous
 
+    @abc.abstractmethod
     def start(self, task: Any = None, task_id: int = 0) -> "RankBackend":
         """Start every rank; ``task`` is for backends whose ranks run it themselves."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def send(self, rank: int, message: tuple) -> None:
         """Send ``(kind, body)`` to a rank now, or as soon as it has connected."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def pump(self, timeout: float = 0.1) -> None:
         """Wait up to ``timeout`` for output or messages and hand them on; notice exits."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def alive(self) -> list[int]:
         """The ranks still running."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shut_down(self, wait: float = 10.0) -> None:
         """The job is done: let the ranks end cleanly, then stop whatever is left."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def kill(self) -> None:
         """Stop every rank and anything it started, and remove what the backend made."""
-        raise NotImplementedError
 
 
 class ChannelRanks(RankBackend):
@@ -147,9 +148,9 @@ class ChannelRanks(RankBackend):
         log.debug("ranks started: %s, pids %s, port %s", type(self).__name__, self.pids, self.port)
         return self
 
+    @abc.abstractmethod
     def launch(self, task: Any, task_id: int) -> None:
         """Start the processes (an implementation's part of :meth:`start`)."""
-        raise NotImplementedError
 
     # -- talk ------------------------------------------------------------
     def send(self, rank: int, message: tuple) -> None:

@@ -121,7 +121,7 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
     try:
         if warm is not None:
             job = warm.job(data, spec, targets, relay)
-        else:  # several hosts: this host as node 0, under a torchrun agent
+        else:  # fresh ranks of this host, or this host as node 0 of several under a torchrun agent
             job = Job(spec, data, relay=relay, backend=multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks)
     except BaseException:
         payload.release(data)
@@ -133,6 +133,7 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
 
 
 def start_job(job: Job) -> Job:
+    """Start a prepared job; if it cannot start, its shared arrays are let go at once."""
     try:
         return job.start()
     except BaseException:

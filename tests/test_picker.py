@@ -107,6 +107,27 @@ def test_picker_without_gpus_offers_cpu_ranks_and_a_newer_panel_takes_over(clean
     assert job_spec.resolve_devices().world_size == job_spec.DEFAULT_CPU_RANKS
 
 
+@pytest.mark.timeout(30)
+def test_the_plain_equivalent_chooses_without_widgets_and_the_panel_names_it(clean_defaults, monkeypatch):
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.server8())
+    panel = picker.gpu_picker()
+    plain = panel._repr_mimebundle_()["text/plain"]  # what a front end without a widget manager shows
+    assert plain.startswith("[GPU picker: needs a widget manager (GPU 0 NVIDIA A100-SXM4-80GB: 71.3/80 GiB, 97%")
+    assert plain.endswith("instead: %ddp_gpus 0,1 (the GPU indices to use) or %ddp_gpus off]")
+
+    assert picker.choose("0,2") == "cells that name no devices run on GPU 0, 2"
+    assert picker.active_picker() is None and "This choice was dropped" in panel.summary.value
+    spec = job_spec.resolve_devices()
+    assert (spec.gpus, spec.world_size, spec.backend) == (["0", "2"], 2, "nccl")
+    with pytest.raises(LaunchError, match=r"%ddp_gpus: no GPU 8, 9 here; this kernel's GPUs: 0, 1, 2, 3, 4, 5, 6, 7"):
+        picker.choose("1,8,9")
+    with pytest.raises(LaunchError, match=r"%ddp_gpus: 'two' is not a choice: GPU indices like 0,1, 'cpus 3'"):
+        picker.choose("two")
+    assert job_spec.resolve_devices().gpus == ["0", "2"]  # a refused choice changes nothing
+    assert picker.choose("cpus 3") == "cells that name no devices run 3 CPU ranks"
+    assert job_spec.resolve_devices().world_size == 3 and job_spec.resolve_devices().gpus is None
+
+
 def _widget_models(client):
     state = client.widget_state if hasattr(client, "widget_state") else {}
     return {mid: m.get("state", m) for mid, m in state.items()}
@@ -130,8 +151,9 @@ def test_cpu_picker_choice_feeds_the_next_ddp_cell_in_a_real_kernel(no_leftovers
         "print('selection', panel.selection)",
         "%%ddp\nimport torch.distributed as dist\nprint('world_size', world_size, dist.get_world_size(), 'rank', rank)",
         "%%ddp --cpus 2\nprint('explicit', world_size)",
+        "%ddp_gpus 3",
         "%ddp_gpus off\nprint('default after off:', job_spec._default_devices)",
-    ], timeout=120, cwd=ROOT, allow_errors=False)
+    ], timeout=120, cwd=ROOT)
     cells = nb.cells
     views = [o for o in cells[1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(views) == 1, cells[1].outputs
@@ -149,4 +171,6 @@ def test_cpu_picker_choice_feeds_the_next_ddp_cell_in_a_real_kernel(no_leftovers
     explicit = sorted(line for line in text(cells[4]).splitlines() if "explicit" in line)
     assert explicit == ["[rank 0] explicit 2", "[rank 1] explicit 2"]
     assert "chosen in the GPU picker" not in text(cells[4])
-    assert text(cells[5]).strip() == "default after off: None"
+    assert all("Traceback" not in text(cell) for cell in cells)
+    assert "UsageError: %ddp_gpus: no GPU 3 here; this kernel's GPUs: none" in text(cells[5])
+    assert text(cells[6]).strip() == "default after off: None"

@@ -3,17 +3,16 @@
 :func:`install` registers :func:`watch` as a job observer of the launcher; from
 then on every job gets a ``history`` and a :class:`Watcher` listening to its
 events.  Nothing is shown and nothing heavy is imported until a rank reports.
-Then, in a kernel whose front end renders widgets, a dashboard appears under the
-cell: a status line, a progress bar and matplotlib panels rendered to a PNG
-image (one widget value, so redraws neither flicker nor pile up outputs, and
-rank prints stay visible below).  When the job ends the figure is left as a
-static ``image/png`` output.  Elsewhere (terminal, script, demo CLI) each epoch
-prints one compact line.
+Then, in a Jupyter kernel, a dashboard appears under the cell (:class:`DisplayView`):
+a text status with a progress bar and matplotlib panels rendered to ``image/png``,
+plain display outputs updated in place, so any front end shows them live with no
+widget manager, redraws never pile up outputs, rank prints stay visible below, and
+a saved notebook keeps the last figure.  Elsewhere (terminal, script, demo CLI)
+each epoch prints one compact line.
 """
 from __future__ import annotations
 
 import base64
-import html
 import io
 import math
 import sys
@@ -31,10 +30,9 @@ from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 STATUS_EVERY_S = 0.25
 MIN_REDRAW_S = 0.5  # a few figure redraws a second at most
 DRAW_SHARE = 0.05  # and no more than this share of the kernel's time spent drawing,
-MAX_REDRAW_S = 2.0  # unless that would leave the figure stale for longer than this
+MAX_REDRAW_S = 1.0  # unless that would leave the figure stale for longer than this
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
 MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
-WIDGET_TEXT = "ddp_notebook live metrics (widgets; the final figure follows as an image)"
 
 
 def install() -> None:
@@ -49,19 +47,11 @@ def watch(job) -> None:
     job.add_listener(Watcher(job))
 
 
-def widget_frontend() -> bool:
-    """True inside a Jupyter kernel (its front end renders widgets), False in a terminal or script."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    if shell is None or getattr(shell, "kernel", None) is None:
-        return False
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def kernel_frontend() -> bool:
+    """True inside a Jupyter kernel (its front end shows display outputs), False in a terminal or script."""
+    from .cell_output import kernel_shell
+
+    return kernel_shell() is not None
 
 
 def show(job) -> None:
@@ -70,13 +60,13 @@ def show(job) -> None:
     history = getattr(job, "history", [])
     status = watcher.status if watcher is not None else Status.of_finished(job)
     reducer = watcher.reducer if watcher is not None else None
-    if not widget_frontend():
+    if not kernel_frontend():
         for record in history:
             print(format_record(record))
         print(status.line(reducer, time.time()) if history else "ddp_notebook: this job reported no metrics")
         return
     if watcher is not None and not job.done:
-        watcher.add_view(WidgetView(watcher))
+        watcher.add_view(DisplayView(watcher))
         return
     from IPython.display import display
 
@@ -353,44 +343,34 @@ class TextView:
         out.flush()
 
 
-class WidgetView:
-    """The live dashboard under the cell.
+class DisplayView:
+    """The live dashboard under the cell, as plain display outputs updated in place.
 
-    Widgets are updated from a small thread, a few times a second, so the
-    figure and the clock move even while no event arrives; the events only
-    record data.  The figure is rendered to PNG into one ``Image`` widget:
-    replacing one value neither flickers nor adds outputs.
+    Two outputs with display ids (:class:`~.cell_output.CellOutput`): a ``text/plain``
+    status (status line, a text progress bar, how to stop a background job) and the
+    figure as ``image/png`` with its status line as ``text/plain``.  Every front end
+    that shows outputs renders them, with no widget manager; updates replace them, so
+    the outputs never grow and a saved notebook keeps the last figure.  A small thread
+    updates them a few times a second, so the clock moves even while no event arrives;
+    the events only record data.  A background job also gets a Stop button, the one
+    widget (a control), whose plain equivalent the status names.
     """
 
-    def __init__(self, watcher: "Watcher", stop=None):
-        import ipywidgets as widgets
-        from IPython.display import display
+    def __init__(self, watcher: "Watcher", stop=None, stop_hint: str | None = None):
+        from .cell_output import CellOutput
 
         self.watcher = watcher
-        self.status = widgets.HTML()
-        self.bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="320px"))
-        self.bar_label = widgets.Label()
-        self.bar_row = widgets.HBox([self.bar, self.bar_label], layout=widgets.Layout(display="none"))
-        self.image = widgets.Image(format="png", layout=widgets.Layout(display="none", max_width="100%"))
-        # flex-start: the figure keeps its own size instead of being stretched (and blurred) to the cell's width.
-        parts = [self.status, self.bar_row, self.image]
-        self.stop_button = None
-        if stop is not None:  # a background job: the page can stop it
-            self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop")
-            self.stop_button.add_class("ddp-notebook-stop")
-            self.stop_button.on_click(lambda _: (setattr(self.stop_button, "disabled", True), stop()))
-            parts.insert(0, self.stop_button)
-        self.box = widgets.VBox(parts, layout=widgets.Layout(align_items="flex-start"))
-        self.box.add_class("ddp-notebook-dashboard")
+        self.stop_hint = stop_hint
+        self.stop_button, self.stop_output = _stop_button(stop, stop_hint) if stop is not None else (None, None)
+        self.status_output = CellOutput({"text/plain": "ddp_notebook: starting"})
+        self.figure_output = CellOutput({"text/plain": ""})  # the figure takes this place once there is one
         self.plot = Plot()
-        self._created_on = threading.get_ident()
+        self.updates_sent = 0
         self._drawn_version = -1
         self._next_draw = 0.0
+        self._png: str | None = None
         self._broken = False
         self._stop = threading.Event()
-        bundle = self.box._repr_mimebundle_()
-        bundle["text/plain"] = WIDGET_TEXT
-        display(bundle, raw=True)
         self.refresh()
         self._thread = threading.Thread(target=self._tick, name="ddp-dashboard", daemon=True)
         self._thread.start()
@@ -408,70 +388,84 @@ class WidgetView:
                     warnings.warn(f"ddp_notebook: the live dashboard stopped updating: {exc!r}", stacklevel=1)
                 return
 
+    def status_text(self, line: str, final: bool = False) -> str:
+        """The status output: the status line, a progress bar while the job runs, how to stop it."""
+        lines = [f"ddp_notebook · {line}"]
+        watcher = self.watcher
+        if not final:
+            with watcher.lock:
+                fraction = watcher.status.epoch_fraction()
+                progress = dict(watcher.status.progress)
+                key = Status.primary_key(watcher.reducer)
+                total = watcher.reducer.totals.get(key) if key else None
+                done = watcher.reducer.counts.get(key, 0) if key else 0
+            if fraction is not None:
+                batches = max(total_batches for _, total_batches in progress.values())
+                lines.append(_text_bar(fraction, f"{round(fraction * batches)}/{batches} batches"))
+            elif total:
+                lines.append(_text_bar(min(done / total, 1.0), f"{done}/{total} {TOTAL_KEYS[key]}"))
+            if self.stop_hint:
+                lines.append(f"stop it: {self.stop_hint}")
+        return "\n".join(lines)
+
     def refresh(self, final: bool = False) -> None:
         watcher = self.watcher
-        now = time.time()
         with watcher.lock:
-            line = watcher.status.line(watcher.reducer, now)
-            fraction = watcher.status.epoch_fraction()
-            progress = dict(watcher.status.progress)
-            key = Status.primary_key(watcher.reducer)
-            total = watcher.reducer.totals.get(key) if key else None
-            done = watcher.reducer.counts.get(key, 0) if key else 0
+            line = watcher.status.line(watcher.reducer, time.time())
             version = watcher.curves.version
             snapshot = None
-            if version != self._drawn_version and (final or time.monotonic() >= self._next_draw):
+            if final or (version != self._drawn_version and time.monotonic() >= self._next_draw):
                 snapshot = watcher.curves.snapshot()
-        status_html = f"<code>{html.escape(line)}</code>"
-        if self.status.value != status_html:
-            self.status.value = status_html
-        bar = None
-        if fraction is not None:
-            batches = max(total_batches for _, total_batches in progress.values())
-            bar = (fraction, f"{round(fraction * batches)}/{batches}")
-        elif total:
-            bar = (min(done / total, 1.0), f"{done}/{total} {TOTAL_KEYS[key]}")
-        if bar is not None and not final:
-            self.bar.value, self.bar_label.value = bar
-            self.bar_row.layout.display = None
-        if snapshot is not None and not final:
-            started = time.monotonic()
-            first = self._drawn_version < 0  # pays for importing matplotlib: no measure of drawing
-            png = self.plot.render(snapshot)
-            spent = 0.0 if first else time.monotonic() - started
-            self._next_draw = time.monotonic() + min(MAX_REDRAW_S, max(MIN_REDRAW_S, spent / DRAW_SHARE))
-            self._drawn_version = version
-            if png is not None:
-                self.image.value = png
-                self.image.layout.display = None
+        status = self.status_text(line, final)
+        if status != self.status_output.data["text/plain"]:
+            self.status_output.update({"text/plain": status})
+            self.updates_sent += 1
+        if snapshot is None:
+            return
+        started = time.monotonic()
+        first = self._drawn_version < 0  # pays for importing matplotlib: no measure of drawing
+        png = self.plot.render(snapshot, title=line if final else None, compress_level=6 if final else 1)
+        spent = 0.0 if first else time.monotonic() - started
+        self._next_draw = time.monotonic() + min(MAX_REDRAW_S, max(MIN_REDRAW_S, spent / DRAW_SHARE))
+        self._drawn_version = version
+        if png is not None:
+            self.figure_output.update({"image/png": base64.b64encode(png).decode(), "text/plain": line})
+            self.updates_sent += 1
 
     def finish(self, updates: list[dict]) -> None:
-        """Stop ticking; leave the final figure as a static image/png output (or in the image, if another
-        thread than the one that showed the dashboard ends the job: its display would land elsewhere)."""
+        """Stop ticking; leave the final status and the final figure, titled with the status line."""
         self._stop.set()
-        self._thread.join()
-        if self.stop_button is not None:
-            self.stop_button.layout.display = "none"
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if self.stop_button is not None:  # nothing left to stop: the button leaves the page and the saved notebook
+            self.stop_output.update({"text/plain": ""})
+            self.stop_button.close()
         self.refresh(final=True)
-        self.bar_row.layout.display = "none"
-        watcher = self.watcher
-        with watcher.lock:
-            snapshot = watcher.curves.snapshot()
-            summary = watcher.status.line(watcher.reducer, time.time())
-        png = self.plot.render(snapshot, title=summary, compress_level=6)
         _forget_fonts()
-        if png is None:
-            return
-        if threading.get_ident() != self._created_on:
-            self.image.value = png
-            return
-        from IPython.display import display
 
-        # The figure, titled with the final status line, moves to a static output; the widget hides and drops
-        # its copy of the PNG, so saved widget state stays small and nothing shows twice.
-        self.box.layout.display = "none"
-        self.image.value = b""
-        display({"image/png": base64.b64encode(png).decode(), "text/plain": summary}, raw=True)
+
+def _text_bar(fraction: float, label: str, width: int = 30) -> str:
+    filled = round(min(max(fraction, 0.0), 1.0) * width)
+    return "[" + "#" * filled + "." * (width - filled) + "] " + label
+
+
+def _stop_button(stop, stop_hint: str | None):
+    """A background job's Stop button (ipywidgets) and its output; (None, None) without ipywidgets.
+
+    Its ``text/plain`` (what a front end without a widget manager shows) says the plain way to stop.
+    """
+    try:
+        import ipywidgets as widgets
+    except ImportError:
+        return None, None
+    from .cell_output import CellOutput
+
+    button = widgets.Button(description="Stop", button_style="danger", icon="stop")
+    button.add_class("ddp-notebook-stop")
+    button.on_click(lambda _: (setattr(button, "disabled", True), stop()))
+    bundle = button._repr_mimebundle_()
+    bundle["text/plain"] = f"[Stop button: needs a widget manager; {stop_hint or 'job.stop()'} does the same]"
+    return button, CellOutput(bundle)
 
 
 class Watcher:
@@ -537,7 +531,7 @@ class Watcher:
         self._view_chosen = True
         if threading.get_ident() != self._started_on:
             return  # a job waited on in the background: its output would land in another cell; job.show()
-        self.add_view(WidgetView(self) if widget_frontend() else TextView(self))
+        self.add_view(DisplayView(self) if kernel_frontend() else TextView(self))
 
     def _ended(self, body: dict) -> None:
         stopped = self.job.status == "stopped"
@@ -571,8 +565,13 @@ def attach(job) -> None:
     Its events arrive on the job's own thread, where a first display would land
     in whatever cell runs then; so the view is made here, in the job's cell.
     """
+    from .cell_output import kernel_shell
+
     watcher = next((listener for listener in job.listeners if isinstance(listener, Watcher)), None)
-    if watcher is None or not widget_frontend():
+    shell = kernel_shell()
+    if watcher is None or shell is None:
         return
     watcher._view_chosen = True
-    watcher.add_view(WidgetView(watcher, stop=lambda: job.stop(by="the dashboard's Stop button")))
+    # The magic returns the job as the cell's value: Out[n], also known as _n.
+    hint = f"the Stop button, or _{shell.displayhook.prompt_count}.stop()"
+    watcher.add_view(DisplayView(watcher, stop=lambda: job.stop(by="the dashboard's Stop button"), stop_hint=hint))

@@ -331,7 +331,8 @@ class DDPMagics(Magics):
     @line_magic
     def ddp_gpus(self, line: str):
         """Show the GPU picker: tick the GPUs (or, without GPUs, the CPU ranks) that
-        ``%%ddp`` cells naming no devices use.  ``%ddp_gpus off`` forgets the choice."""
+        ``%%ddp`` cells naming no devices use.  ``%ddp_gpus 0,1`` (or ``cpus 3``) chooses
+        without widgets; ``%ddp_gpus off`` forgets the choice."""
         from . import picker
 
         arg = line.strip()
@@ -339,7 +340,11 @@ class DDPMagics(Magics):
             picker.forget()
             return None
         if arg:
-            raise UsageError("%ddp_gpus takes no argument, or 'off' to forget the picker's choice")
+            try:
+                print(picker.choose(arg))
+            except LaunchError as exc:
+                raise UsageError(str(exc)) from None
+            return None
         return picker.gpu_picker()
 
 
@@ -402,28 +407,13 @@ def _take_returns(shell, result) -> None:
 
 
 def background_relay(output_ranks: set[int] | None = None):
-    """Rank output of a background job goes to an Output widget under its own cell, from any thread."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
+    """Rank output of a background job goes to one output under its own cell, from any thread."""
     from ..engine.output import OutputRelay
+    from .cell_output import CellLog
 
-    area = widgets.Output(layout=widgets.Layout(max_height="300px", overflow="auto"))
-    display(area)
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def write(self, text: str) -> None:
-            if text:
-                area.append_stdout(text) if self.name == "stdout" else area.append_stderr(text)
-
-        def flush(self) -> None:
-            pass
-
-    relay = OutputRelay(Stream("stdout"), Stream("stderr"), ranks=output_ranks)
-    relay.area = area
+    log = CellLog(max_lines=50)  # a tail: the dashboard below it should not move far down
+    relay = OutputRelay(log, log, ranks=output_ranks)
+    relay.log = log
     return relay
 
 
@@ -434,12 +424,12 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
             result = job.results[0]
             shell.user_ns.update(result.values)
             missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
-            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} done: {', '.join(result.values)} "
-                                     f"copied into the notebook{missing}\n")
+            relay.log.write(f"[ddp_notebook] job #{job.task_id} done: {', '.join(result.values)} "
+                            f"copied into the notebook{missing}\n")
         elif job.status == "failed":
-            relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
+            relay.log.write(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":
-            relay.area.append_stderr(f"[ddp_notebook] {job.error}\n")
+            relay.log.write(f"[ddp_notebook] {job.error}\n")
 
     job.on_done.append(finished)
     try:

@@ -102,6 +102,17 @@ class GPUPicker(widgets.VBox):
                 f"{_bar(fraction, load)}<span style='display:inline-block;width:150px'>"
                 f"{html.escape(gpu.load_text())}</span>{jobs}")
 
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget, and for front ends without a widget manager a text that says the plain way."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if self.gpus:
+            listing = "; ".join(f"GPU {g.index} {g.name}: {g.load_text()}, {g.jobs_text()}" for g in self.gpus)
+            plain = f"%ddp_gpus 0,1 (the GPU indices to use) or %ddp_gpus off"
+        else:
+            listing, plain = "no GPU", "%ddp_gpus cpu 2 (the number of CPU ranks) or %ddp_gpus off"
+        bundle["text/plain"] = f"[GPU picker: needs a widget manager ({listing}); instead: {plain}]"
+        return bundle
+
     # -- the choice ------------------------------------------------------
     @property
     def selection(self) -> tuple[str, Any] | None:
@@ -165,6 +176,31 @@ def gpu_picker() -> GPUPicker:
         chosen = previous.selection
         kwargs["selected"] = chosen[1] if chosen and chosen[0] == "gpus" else ([] if previous.gpus else None)
     return GPUPicker(**kwargs).activate()
+
+
+def choose(text: str) -> str:
+    """The picker's choice without widgets: ``"0,1"`` (GPU indices) or ``"cpus 3"``; says what it chose.
+
+    ``%ddp_gpus 0,1`` calls it; an index this machine does not have is refused by name.
+    """
+    words = text.replace(",", " ").split()
+    if len(words) == 2 and words[0] == "cpus" and words[1].isdigit() and int(words[1]) > 0:
+        choice: tuple[str, Any] = ("cpus", int(words[1]))
+    elif words and all(word.isdigit() for word in words):
+        wanted = sorted({int(word) for word in words})
+        present, source = gpu_discovery.discover_report()
+        missing = [i for i in wanted if i not in {gpu.index for gpu in present}]
+        if missing:
+            have = ", ".join(str(gpu.index) for gpu in present) or f"none ({source})"
+            raise LaunchError(f"%ddp_gpus: no GPU {', '.join(map(str, missing))} here; this kernel's GPUs: {have}")
+        choice = ("gpus", wanted)
+    else:
+        raise LaunchError(f"%ddp_gpus: {text!r} is not a choice: GPU indices like 0,1, 'cpus 3', or 'off'")
+    forget()
+    job_spec.set_default_devices(lambda: choice)
+    kind, value = choice
+    return (f"cells that name no devices run on GPU {', '.join(map(str, value))}" if kind == "gpus" else
+            f"cells that name no devices run {value} CPU rank{'s' if value != 1 else ''}")
 
 
 def active_picker() -> GPUPicker | None:

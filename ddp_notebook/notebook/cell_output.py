@@ -1,0 +1,82 @@
+"""Display outputs that stay under the cell that made them, updated in place from any thread.
+
+Plain Jupyter display data with a display id: every front end that shows outputs
+(JupyterLab, Notebook 7, VS Code, Colab, Kaggle, a console) renders it, with no
+widget manager.  The cell's parent header is captured when the output is made, in
+the cell's own thread, and every later message carries it: a dashboard thread or a
+background job's thread updates the right output on ipykernel 6 and 7 alike (which
+differ in how a thread's output finds its cell), while other cells run.
+"""
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import uuid
+
+
+def kernel_shell():
+    """The running IPython shell if it is a Jupyter kernel's (it publishes display data), else None."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    shell = ipython.get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return None
+    return shell
+
+
+class CellOutput:
+    """One output under the current cell; :meth:`update` replaces its content, from any thread."""
+
+    def __init__(self, data: dict[str, str]):
+        shell = kernel_shell()
+        if shell is None:
+            raise RuntimeError("CellOutput needs a Jupyter kernel")
+        self._publisher = shell.display_pub
+        self.parent = dict(self._publisher.parent_header)  # the cell that runs now
+        self.display_id = f"ddp-{uuid.uuid4().hex}"
+        self.data = dict(data)
+        self._send("display_data", self.data)
+
+    def update(self, data: dict[str, str]) -> None:
+        """Replace what the output shows (``update_display_data``): the output does not grow."""
+        self.data = dict(data)
+        self._send("update_display_data", self.data)
+
+    def _send(self, kind: str, data: dict[str, str]) -> None:
+        publisher = self._publisher
+        for stream in (sys.stdout, sys.stderr):  # what the cell printed before comes first
+            stream.flush()
+        content = {"data": data, "metadata": {}, "transient": {"display_id": self.display_id}}
+        publisher.session.send(publisher.pub_socket, kind, content, parent=self.parent, ident=publisher.topic)
+
+
+class CellLog:
+    """Text written from any thread into one output under the cell that made it, updated in place.
+
+    Keeps the newest ``max_lines`` lines (and says how many earlier ones left), so
+    the output stays bounded however long a background job prints.
+    """
+
+    def __init__(self, max_lines: int = 200):
+        self._lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self._output = CellOutput({"text/plain": ""})
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        with self._lock:
+            for line in text.splitlines():
+                if len(self._lines) == self._lines.maxlen:
+                    self._dropped += 1
+                self._lines.append(line)
+            shown = "\n".join(self._lines)
+            if self._dropped:
+                shown = f"[ddp_notebook] ... {self._dropped} earlier lines not shown ...\n" + shown
+            self._output.update({"text/plain": shown})
+
+    def flush(self) -> None:
+        """Every write is shown at once."""

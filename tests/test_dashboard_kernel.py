@@ -1,0 +1,103 @@
+"""The live dashboard as plain display outputs, counted from a real kernel's messages (no browser)."""
+import base64
+import time
+
+import pytest
+
+from nbrun import kernel
+
+pytestmark = [pytest.mark.slow, pytest.mark.kernel]
+
+SIX_EPOCHS = """\
+%%ddp --cpus 2
+import time
+from ddp_notebook import report, progress
+for epoch in range(1, 7):
+    for batch in range(5):
+        progress(batch, 5)
+        time.sleep(0.3)
+    progress(5, 5)
+    report(epoch=epoch, epochs=6, loss=1.0 / epoch + rank)
+print("trained")
+"""
+
+BACKGROUND = """\
+%%ddp --cpus 2 --background
+import time
+from ddp_notebook import report
+for epoch in range(1, 10_000):
+    time.sleep(0.3)
+    report(epoch=epoch, loss=1.0 / epoch)
+    if epoch == 2:
+        print("rank", rank, "in epoch 2")
+"""
+
+
+def run_collecting(kc, code: str, timeout: float = 120) -> tuple[str, list[dict]]:
+    """Execute ``code``; its msg_id and every iopub message (any parent) until that execution is idle."""
+    msg_id = kc.execute(code)
+    messages, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        msg = kc.get_iopub_msg(timeout=deadline - time.time())
+        messages.append(msg)
+        if (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle"
+                and msg["parent_header"].get("msg_id") == msg_id):
+            return msg_id, messages
+    raise AssertionError(f"{code[:40]!r} did not finish within {timeout} s")
+
+
+def display_messages(messages, msg_id):
+    return [m for m in messages if m["msg_type"] in ("display_data", "update_display_data")
+            and m["parent_header"].get("msg_id") == msg_id]
+
+
+@pytest.mark.timeout(200)
+def test_the_dashboard_updates_in_place_with_png_and_text(no_leftovers):
+    with kernel() as (_km, kc):
+        msg_id, messages = run_collecting(kc, SIX_EPOCHS)
+        shown = display_messages(messages, msg_id)
+        created = [m for m in shown if m["msg_type"] == "display_data"]
+        updates = [m for m in shown if m["msg_type"] == "update_display_data"]
+        ids = {m["content"]["transient"]["display_id"] for m in created}
+        # Two outputs (status, figure), made once; every later change replaces one of them.
+        assert len(created) == 2 and len(ids) == 2, [m["content"]["data"] for m in created]
+        assert all(m["content"]["transient"]["display_id"] in ids for m in updates)
+        assert not any("application/vnd.jupyter.widget-view+json" in m["content"]["data"] for m in shown)
+        figures = [m["content"]["data"] for m in updates if "image/png" in m["content"]["data"]]
+        live = [f for f in figures if not f["text/plain"].startswith("done")]
+        assert len(live) >= 3, [f["text/plain"] for f in figures]
+        assert len({f["image/png"] for f in live}) >= 3  # the figure changes while the job runs
+        assert all(base64.b64decode(f["image/png"]).startswith(b"\x89PNG") for f in figures)
+        assert "ranks alive · epoch" in live[-1]["text/plain"]
+        assert figures[-1]["text/plain"].startswith("done · 2 ranks · epoch 6/6")
+        statuses = [m["content"]["data"]["text/plain"] for m in updates if "image/png" not in m["content"]["data"]]
+        assert any("ranks alive · epoch" in s and "batches" in s for s in statuses), statuses
+        assert statuses[-1].startswith("ddp_notebook · done · 2 ranks · epoch 6/6")
+        assert any(m["msg_type"] == "stream" and "[rank 0] trained" in m["content"]["text"] for m in messages)
+
+
+@pytest.mark.timeout(200)
+def test_a_background_dashboard_updates_its_own_cell_while_others_run(no_leftovers):
+    with kernel() as (_km, kc):
+        started, messages = run_collecting(kc, BACKGROUND)
+        created = [m for m in display_messages(messages, started) if m["msg_type"] == "display_data"]
+        widgets = [m for m in created if "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
+        assert len(widgets) == 1  # the Stop button, the one control
+        assert len(created) == 4  # the ranks' output, the button, the status, the figure
+        assert "_2.stop() does the same" in widgets[0]["content"]["data"]["text/plain"]
+        # Another cell runs for a while; the dashboard's updates still carry the background cell as parent.
+        other, messages = run_collecting(kc, "import time\ntime.sleep(4)\njob = _2\nprint(job.status)")
+        updates = [m for m in messages if m["msg_type"] == "update_display_data"]
+        assert updates and all(m["parent_header"]["msg_id"] == started for m in updates)
+        texts = [m["content"]["data"]["text/plain"] for m in updates if "image/png" not in m["content"]["data"]]
+        assert any("ranks alive · epoch" in t and "stop it: the Stop button, or _2.stop()" in t for t in texts)
+        assert any("image/png" in m["content"]["data"] for m in updates)
+        assert any("[rank 1] rank 1 in epoch 2" in m["content"]["data"]["text/plain"] for m in updates)
+        assert not [m for m in messages if m["msg_type"] == "update_display_data"
+                    and m["parent_header"]["msg_id"] == other]
+        _, messages = run_collecting(kc, "job.stop()\nprint(job.status)")
+        assert any(m["msg_type"] == "stream" and "stopped" in m["content"]["text"] for m in messages)
+        final = [m["content"]["data"] for m in messages if m["msg_type"] == "update_display_data"
+                 and m["parent_header"]["msg_id"] == started]
+        assert {"text/plain": ""} in final  # the Stop button leaves
+        assert any(d["text/plain"].startswith("ddp_notebook · stopped") for d in final)

@@ -91,6 +91,19 @@ def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_lefto
     assert time.time() - started < 20
 
 
+def _asks_for_input():
+    return input("learning rate? ")
+
+
+@pytest.mark.timeout(60)
+def test_input_in_a_rank_says_ranks_have_no_keyboard(no_leftovers):
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_asks_for_input, cpus=2)
+    assert "RuntimeError: input() in a rank: ranks have no keyboard; ask in the notebook before the cell" \
+        in str(info.value)
+    assert "closed file" not in str(info.value)
+
+
 @pytest.mark.slow
 def test_a_failing_rank_stops_a_bystander_blocked_in_a_collective(no_leftovers):
     started = time.time()

@@ -9,6 +9,7 @@ hold a GPU.  Rank side: no IPython, ipywidgets or matplotlib here.
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
 import os
 import random
@@ -200,10 +201,27 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     return failure
 
 
+class NoKeyboard(io.TextIOBase):
+    """A rank's stdin: reading it (``input()``) fails with a message that says why."""
+
+    MESSAGE = ("input() in a rank: ranks have no keyboard; ask in the notebook before the cell "
+               "(the cell reads the notebook's names) or pass the value to launch()")
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> str:
+        raise RuntimeError(self.MESSAGE)
+
+    def readline(self, size: int | None = -1) -> str:
+        raise RuntimeError(self.MESSAGE)
+
+
 def main() -> None:
     faulthandler.enable()  # a crashing rank shows where it crashed
     boot = json.loads(sys.stdin.read())
     sys.stdin.close()
+    sys.stdin = NoKeyboard()  # input() in a cell says why it cannot work, not "I/O operation on closed file"
     sys.path[:] = boot["sys_path"]
     global _job_dir
     _job_dir = boot.get("job_dir")

@@ -54,8 +54,13 @@ def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_w
     if spec.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env.pop("MPLBACKEND", None)  # the kernel's matplotlib backend would make every rank import ipykernel
+    # Not the kernel's matplotlib backend (it would make every rank import ipykernel): a rank's own, which
+    # sends plt.show()'s figures to the notebook (rank/mpl_backend.py; matplotlib loads it only with pyplot).
+    env["MPLBACKEND"] = MPL_BACKEND
     return env
+
+
+MPL_BACKEND = "module://ddp_notebook.rank.mpl_backend"
 
 
 class RankBackend(abc.ABC):

@@ -14,6 +14,8 @@ import sys
 import threading
 import uuid
 
+from ..wire import protocol
+
 
 def kernel_shell():
     """The running IPython shell if it is a Jupyter kernel's (it publishes display data), else None."""
@@ -26,30 +28,41 @@ def kernel_shell():
     return shell
 
 
+class Cell:
+    """The cell that runs now, remembered: :meth:`send` publishes under it later, from any thread."""
+
+    def __init__(self):
+        shell = kernel_shell()
+        if shell is None:
+            raise RuntimeError("ddp_notebook: cell outputs need a Jupyter kernel")
+        self._publisher = shell.display_pub
+        self.parent = dict(self._publisher.parent_header)
+
+    def send(self, kind: str, data: dict[str, str], metadata: dict | None = None,
+             display_id: str | None = None) -> None:
+        """Publish ``display_data`` or ``update_display_data`` under this cell."""
+        publisher = self._publisher
+        for stream in (sys.stdout, sys.stderr):  # what the cell printed before comes first
+            stream.flush()
+        content = {"data": data, "metadata": metadata or {}, "transient": {}}
+        if display_id is not None:
+            content["transient"]["display_id"] = display_id
+        publisher.session.send(publisher.pub_socket, kind, content, parent=self.parent, ident=publisher.topic)
+
+
 class CellOutput:
     """One output under the current cell; :meth:`update` replaces its content, from any thread."""
 
     def __init__(self, data: dict[str, str]):
-        shell = kernel_shell()
-        if shell is None:
-            raise RuntimeError("CellOutput needs a Jupyter kernel")
-        self._publisher = shell.display_pub
-        self.parent = dict(self._publisher.parent_header)  # the cell that runs now
+        self.cell = Cell()
         self.display_id = f"ddp-{uuid.uuid4().hex}"
         self.data = dict(data)
-        self._send("display_data", self.data)
+        self.cell.send("display_data", self.data, display_id=self.display_id)
 
     def update(self, data: dict[str, str]) -> None:
         """Replace what the output shows (``update_display_data``): the output does not grow."""
         self.data = dict(data)
-        self._send("update_display_data", self.data)
-
-    def _send(self, kind: str, data: dict[str, str]) -> None:
-        publisher = self._publisher
-        for stream in (sys.stdout, sys.stderr):  # what the cell printed before comes first
-            stream.flush()
-        content = {"data": data, "metadata": {}, "transient": {"display_id": self.display_id}}
-        publisher.session.send(publisher.pub_socket, kind, content, parent=self.parent, ident=publisher.topic)
+        self.cell.send("update_display_data", self.data, display_id=self.display_id)
 
 
 class CellLog:
@@ -80,3 +93,27 @@ class CellLog:
 
     def flush(self) -> None:
         """Every write is shown at once."""
+
+
+def show_rank_displays(job) -> None:
+    """The job observer for rich output: what a rank's ``display()``/``plt.show()`` sends shows in the job's cell.
+
+    Each display is announced by a ``[rank r] shows ...`` line through the job's output relay (so it is
+    labelled like the rank's prints and ``--output`` holds for it), then published under the cell that
+    started the job, whichever thread receives it.  Outside a kernel only the line is printed.
+    """
+    cell = Cell() if kernel_shell() is not None else None
+
+    def listener(job, kind: str, rank: int, body: dict) -> None:
+        if kind != protocol.DISPLAY:
+            return
+        relay = job.relay
+        if relay.ranks is not None and rank not in relay.ranks:
+            return
+        data = body["data"]
+        relay.feed(rank, "stdout", f"shows {data.get('text/plain', 'a display')}\n".encode())
+        relay.flush()
+        if cell is not None:
+            cell.send("display_data", data, {**body.get("metadata", {}), "ddp_notebook": {"rank": rank}})
+
+    job.add_listener(listener)

@@ -37,7 +37,10 @@ MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (h
 
 def install() -> None:
     """Watch every job the launcher starts from now on (idempotent)."""
+    from .cell_output import show_rank_displays
+
     engine_job.observe_jobs(watch)
+    engine_job.observe_jobs(show_rank_displays)
     engine_job.set_viewer(show)
 
 

@@ -21,7 +21,7 @@ import queue
 
 from ..wire import protocol
 from ..wire import channel
-from . import context
+from . import context, display
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -237,6 +237,7 @@ def main() -> None:
         local_world_size=boot["local_world_size"], sender=sender,
     )
     context.set_current(ctx)
+    display.install()
     sender.send(protocol.HELLO, {"rank": ctx.rank, "pid": os.getpid()})
     tasks: queue.Queue = queue.Queue()
     threading.Thread(target=_receive_tasks, args=(conn, tasks), name="ddp-channel-recv", daemon=True).start()

@@ -22,6 +22,7 @@ RESULT = "result"  # {task, value}: the pickled return value (rank side: payload
 FAILED = "failed"  # {task, etype, message, traceback, time, kind}: see errors.Failure
 METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
 PROGRESS = "progress"  # {done, total}: progress() within an epoch
+DISPLAY = "display"  # {data, metadata}: display() or plt.show() in a rank: one display bundle (rank/display.py)
 SYNCED = "synced"  # {task}: answer to SYNC
 BYE = "bye"  # {}: the rank is leaving
 

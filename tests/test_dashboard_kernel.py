@@ -11,12 +11,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 SIX_EPOCHS = """\
 %%ddp --cpus 2
 import time
-from ddp_notebook import report, progress
+from ddp_notebook import distributed_loader, report
+loader = distributed_loader(list(range(20)), batch_size=2)  # 5 batches a rank, progress reported by the loader
 for epoch in range(1, 7):
-    for batch in range(5):
-        progress(batch, 5)
+    for batch in loader:
         time.sleep(0.3)
-    progress(5, 5)
     report(epoch=epoch, epochs=6, loss=1.0 / epoch + rank)
 print("trained")
 """
@@ -73,6 +72,11 @@ def test_the_dashboard_updates_in_place_with_png_and_text(no_leftovers):
         statuses = [m["content"]["data"]["text/plain"] for m in updates if "image/png" not in m["content"]["data"]]
         assert any("ranks alive · epoch" in s and "batches" in s for s in statuses), statuses
         assert statuses[-1].startswith("ddp_notebook · done · 2 ranks · epoch 6/6")
+        # The per-rank panel: both ranks' pace, data wait and memory; no DDP here, so nobody waits for anybody.
+        panel = statuses[-1].splitlines()[1:]
+        assert [line.split(":")[0] for line in panel] == ["rank 0", "rank 1", "straggler"], statuses[-1]
+        assert all(" samples/s · data wait " in line and "MiB resident" in line for line in panel[:2])
+        assert panel[2] == "straggler: none (the ranks keep pace)"
         assert any(m["msg_type"] == "stream" and "[rank 0] trained" in m["content"]["text"] for m in messages)
 
 
@@ -86,11 +90,12 @@ def test_a_background_dashboard_updates_its_own_cell_while_others_run(no_leftove
         assert len(created) == 4  # the ranks' output, the button, the status, the figure
         assert "_2.stop() does the same" in widgets[0]["content"]["data"]["text/plain"]
         # Another cell runs for a while; the dashboard's updates still carry the background cell as parent.
-        other, messages = run_collecting(kc, "import time\ntime.sleep(4)\njob = _2\nprint(job.status)")
+        other, messages = run_collecting(kc, "import time\njob = _2\nwhile len(job.history) < 3:\n"
+                                                 "    time.sleep(0.1)\ntime.sleep(1)\nprint(job.status)")
         updates = [m for m in messages if m["msg_type"] == "update_display_data"]
         assert updates and all(m["parent_header"]["msg_id"] == started for m in updates)
         texts = [m["content"]["data"]["text/plain"] for m in updates if "image/png" not in m["content"]["data"]]
-        assert any("ranks alive · epoch" in t and "stop it: the Stop button, or _2.stop()" in t for t in texts)
+        assert any("ranks alive · epoch" in t and "stop it: the Stop button, or _2.stop()" in t for t in texts), texts
         assert any("image/png" in m["content"]["data"] for m in updates)
         assert any("[rank 1] rank 1 in epoch 2" in m["content"]["data"]["text/plain"] for m in updates)
         assert not [m for m in messages if m["msg_type"] == "update_display_data"

@@ -28,6 +28,7 @@ def test_mean_over_two_ranks_is_exact():
     assert [r["epoch"] for r in reducer.history] == [1, 2, 3]
     assert reducer.history[0]["epochs"] == 3
     assert not any("partial" in r for r in reducer.history)
+    assert reducer.history.by_rank == [{"loss": {0: 1.0, 1: 2.0}}] * 3  # each rank's own value, before the mean
 
 
 def test_three_ranks_unequal_n_weighted_mean():

@@ -13,7 +13,7 @@ import pytest
 
 from ddp_notebook.rank import context
 from ddp_notebook.notebook import dashboard
-from ddp_notebook.rank import metrics
+from ddp_notebook.rank import metrics, timing
 from ddp_notebook.engine.callbacks import Forwarder, TensorBoard, WandB, resolve
 from ddp_notebook.engine.spec import JobSpec
 
@@ -37,6 +37,7 @@ class FakeSender:
 @pytest.fixture
 def in_rank():
     sender = FakeSender()
+    timing.reset()  # batches timed by other tests in this process are not this rank's
     context.set_current(context.RankContext(rank=1, local_rank=1, world_size=2, local_world_size=2, sender=sender))
     yield sender
     context.set_current(None)

@@ -17,7 +17,15 @@ from ..wire.protocol import TOTAL_KEYS
 
 
 class History(list):
-    """The reduced records of a job, one dict per x value, in the order they were completed."""
+    """The reduced records of a job, one dict per x value, in the order they were completed.
+
+    ``by_rank[i]`` holds each rank's own values behind record ``i``, before reduction:
+    ``{name: {rank: value}}``.
+    """
+
+    def __init__(self, *records):
+        super().__init__(*records)
+        self.by_rank: list[dict[str, dict[int, float]]] = [{} for _ in self]
 
     def to_csv(self, path: str) -> None:
         """Write the records as CSV, one column per key ever seen (empty where a record lacks it)."""
@@ -57,6 +65,7 @@ class Reducer:
         self._pending: dict[str, OrderedDict] = {}  # x key -> x -> _Point
         self._latest: dict[str, dict[int, float]] = {}  # x key -> rank -> highest x it reported
         self._records: dict[tuple[str, float], dict] = {}  # (x key, x) -> its record in history
+        self._own: dict[tuple[str, float], dict] = {}  # (x key, x) -> its ranks' own values (history.by_rank)
 
     def add(self, rank: int, body: dict) -> list[dict]:
         """Take one rank's report; the updates it completed."""
@@ -112,10 +121,12 @@ class Reducer:
         if not final and len(point.ranks) < self.world_size:
             return []
         reduced, partial = {}, []
+        own: dict[str, dict[int, float]] = {}
         for name in list(point.values):
             by_rank = point.values[name]
             if len(by_rank) == self.world_size or final:
                 reduced[name] = self._reduce(name, by_rank)
+                own[name] = {rank: value for rank, (value, _) in sorted(by_rank.items())}
                 if len(by_rank) < self.world_size:
                     partial.append(name)
                 del point.values[name]
@@ -126,6 +137,9 @@ class Reducer:
                 record[TOTAL_KEYS[key]] = self.totals[key]
             self._records[(key, x)] = record
             self.history.append(record)
+            self._own[(key, x)] = {}
+            if isinstance(self.history, History):
+                self.history.by_rank.append(self._own[(key, x)])
             self.counts[key] = self.counts.get(key, 0) + 1
         elif not reduced:
             return []
@@ -134,5 +148,6 @@ class Reducer:
             earlier = record.get("partial")
             update["partial"] = ",".join(([earlier] if earlier else []) + partial)
         record.update(update)
+        self._own[(key, x)].update(own)
         point.meta = {}
         return [update]

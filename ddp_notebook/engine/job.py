@@ -121,6 +121,7 @@ class Job(EventSource):
         self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
         self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
+        self.ranks: dict[int, dict] = {}  # per-rank timings (rank -> dict), filled by an observer (dashboard.watch)
         self.callbacks: list[Any] = []  # each reduced metric record is sent to these (see callbacks.py)
         self.started_at: float | None = None
         self.ended_at: float | None = None

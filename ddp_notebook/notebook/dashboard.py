@@ -47,6 +47,7 @@ def install() -> None:
 def watch(job) -> None:
     """The job observer: give the job a history and a watcher."""
     job.history = History()
+    job.ranks = RankView()
     job.add_listener(Watcher(job))
 
 
@@ -409,6 +410,10 @@ class DisplayView:
                 lines.append(_text_bar(min(done / total, 1.0), f"{done}/{total} {TOTAL_KEYS[key]}"))
             if self.stop_hint:
                 lines.append(f"stop it: {self.stop_hint}")
+        ranks = getattr(watcher.job, "ranks", None)
+        if ranks:
+            with watcher.lock:
+                lines += ranks.lines()
         return "\n".join(lines)
 
     def refresh(self, final: bool = False) -> None:
@@ -471,6 +476,62 @@ def _stop_button(stop, stop_hint: str | None):
     return button, CellOutput(bundle)
 
 
+STRAGGLER_GAP = 0.10  # the others wait this much more of each step than the slowest rank: it is named
+
+
+class RankView(dict):
+    """``job.ranks``: rank -> where its time per batch went, from what its loader and DDP measured.
+
+    Each value is a dict: ``batches``, ``samples_per_s``, ``data_wait`` and ``comm_wait`` (shares of its
+    step time spent waiting for data and, in the gradient all-reduce, for the other ranks), ``compute``
+    (the rest), ``memory`` (bytes) and ``memory_kind`` ("cuda peak allocated" on GPUs, else "resident").
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._totals: dict[int, dict] = {}
+
+    def add(self, rank: int, stats: dict) -> None:
+        totals = self._totals.setdefault(rank, {"batches": 0, "samples": 0, "step_s": 0.0, "data_s": 0.0,
+                                                "comm_s": 0.0})
+        for name in totals:
+            totals[name] += stats[name]
+        step_s = totals["step_s"] or float("nan")
+        data_wait, comm_wait = totals["data_s"] / step_s, totals["comm_s"] / step_s
+        self[rank] = {"batches": totals["batches"], "samples_per_s": totals["samples"] / step_s,
+                      "data_wait": data_wait, "comm_wait": comm_wait,
+                      "compute": max(0.0, 1.0 - data_wait - comm_wait),
+                      "memory": stats["memory"], "memory_kind": stats["memory_kind"]}
+
+    def straggler(self) -> tuple[int, str] | None:
+        """The rank the others wait for in the all-reduce, and a line that says why; None if none stands out."""
+        if len(self) < 2:
+            return None
+        slowest = min(self, key=lambda rank: self[rank]["comm_wait"])
+        others = [self[rank]["comm_wait"] for rank in self if rank != slowest]
+        waited = sum(others) / len(others)
+        if waited - self[slowest]["comm_wait"] < STRAGGLER_GAP:
+            return None
+        own = self[slowest]
+        line = f"rank {slowest}: the others wait {waited:.0%} of each step for it; "
+        if own["data_wait"] >= 0.3:
+            line += f"{own['data_wait']:.0%} of its own time is waiting for data: raise num_workers"
+        else:
+            line += f"it computes {own['compute']:.0%} of its step (data wait {own['data_wait']:.0%})"
+        return slowest, line
+
+    def lines(self) -> list[str]:
+        """The compact per-rank panel of the dashboard's status."""
+        if not self:
+            return []
+        lines = [f"rank {rank}: {s['samples_per_s']:.0f} samples/s · data wait {s['data_wait']:.0%} · "
+                 f"waits for others {s['comm_wait']:.0%} · {s['memory'] / 2**20:.0f} MiB {s['memory_kind']}"
+                 for rank, s in sorted(self.items())]
+        straggler = self.straggler()
+        lines.append(f"straggler: {straggler[1]}" if straggler else "straggler: none (the ranks keep pace)")
+        return lines
+
+
 class Watcher:
     """Listens to one job: reduces its reports into ``job.history``, forwards them, keeps its views."""
 
@@ -509,6 +570,8 @@ class Watcher:
                 updates = []
                 for report in body["reports"]:
                     updates += self.reducer.add(rank, report)
+                    if "rank_stats" in report:
+                        self.job.ranks.add(rank, report["rank_stats"])
                 for update in updates:
                     self.curves.add(update)
             self.forwarder.send(updates)

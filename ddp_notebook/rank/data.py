@@ -8,6 +8,7 @@ rank in one collective.  Both work unchanged outside a job.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from . import context, metrics
+from . import context, metrics, timing
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -95,18 +96,35 @@ class DistributedLoader(DataLoader):
         self._next_epoch += 1
         batches = super().__iter__()
         progress = _progress_reporter() if self.report_progress else None
-        if progress is None:
+        ctx = context.current()
+        if progress is None and (ctx is None or ctx.sender is None):
             return batches
-        return self._reporting(batches, progress)
+        return self._timed(batches, progress)
 
-    def _reporting(self, batches, progress):
+    def _timed(self, batches, progress):
+        """The batches, reporting progress and timing each step (rank/timing.py)."""
         total = len(self)
         done = 0
-        progress(done, total)
-        for batch in batches:
-            yield batch
-            done += 1
+        if progress is not None:
             progress(done, total)
+        timing.watch_ddp()
+        samples = self.batch_size or 1
+        step_started = time.perf_counter()
+        while True:
+            wait_started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            data_s = time.perf_counter() - wait_started
+            yield batch
+            now = time.perf_counter()
+            if done:  # the first step also pays for starting the epoch's workers: not a step
+                timing.batch_done(data_s, now - step_started, samples)
+            step_started = now
+            done += 1
+            if progress is not None:
+                progress(done, total)
 
 
 def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, exact: bool = False, *,

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..wire import protocol
 from ..wire.protocol import TOTAL_KEYS, format_record
-from . import context
+from . import context, timing
 
 
 PROGRESS_INTERVAL_S = 0.1  # at most ~10 progress events a second per rank
@@ -122,6 +122,9 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         body["sum"] = summed
     if key == "step" and epoch is not None:
         body["epoch"] = epoch
+    rank_stats = timing.take()  # where this rank's time went since its last report (rides on this one)
+    if rank_stats is not None:
+        body["rank_stats"] = rank_stats
     _queue_report(ctx.sender, body)
 
 

@@ -21,7 +21,7 @@ import queue
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, display
+from . import context, display, timing
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -181,6 +181,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.set()
         task = load()
+        timing.reset()
         if seed is not None:
             _seed_everything(seed)
         value = task.run(ctx, namespace)

@@ -1,0 +1,111 @@
+"""Where a rank's time per batch goes: waiting for data, computing, waiting for the other ranks.
+
+Measured without user code: :class:`~.data.DistributedLoader` times each batch
+(the wait inside ``next()`` is the data wait, the time between two batches the
+whole step), and when the model is wrapped in ``DistributedDataParallel`` a
+communication hook (DDP's default all-reduce, timed) measures how long this
+rank's gradients wait in the all-reduce for the others.  Under DDP every rank's
+step lasts as long as the slowest one's: the straggler is the rank the others wait
+for.  The totals since the last ``report()`` ride on that report (its
+``rank_stats``); nothing else is sent.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+_lock = threading.Lock()
+_totals = {"batches": 0, "samples": 0, "step_s": 0.0, "data_s": 0.0, "comm_s": 0.0}
+_step_comm = 0.0  # the longest all-reduce wait of the step under way (buckets overlap: not their sum)
+_hooked: "weakref.WeakSet" = weakref.WeakSet()  # DDP models that carry the timed hook
+_finder = None  # the global forward pre-hook that looks for DDP models, while installed
+
+
+def batch_done(data_s: float, step_s: float, samples: int) -> None:
+    """One batch of a loader: its data wait and its whole step (data wait included)."""
+    global _step_comm
+    with _lock:
+        _totals["batches"] += 1
+        _totals["samples"] += samples
+        _totals["data_s"] += data_s
+        _totals["step_s"] += step_s
+        _totals["comm_s"] += _step_comm
+        _step_comm = 0.0
+
+
+def _comm_waited(seconds: float) -> None:
+    global _step_comm
+    with _lock:
+        _step_comm = max(_step_comm, seconds)
+
+
+def reset() -> None:
+    """Forget what was timed (a new task starts: an earlier cell's batches are not its)."""
+    global _step_comm
+    with _lock:
+        for name in _totals:
+            _totals[name] = 0 if name in ("batches", "samples") else 0.0
+        _step_comm = 0.0
+
+
+def take() -> dict | None:
+    """The totals since the last call, with this rank's memory; None when no batch was timed."""
+    with _lock:
+        if not _totals["batches"]:
+            return None
+        stats = dict(_totals)
+        for name in _totals:
+            _totals[name] = 0 if name in ("batches", "samples") else 0.0
+    stats["memory"], stats["memory_kind"] = _memory()
+    return stats
+
+
+def _memory() -> tuple[int, str]:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated()), "cuda peak allocated"
+    import psutil
+
+    return int(psutil.Process().memory_info().rss), "resident"
+
+
+def watch_ddp() -> None:
+    """Time the all-reduce of the next DDP model this rank runs (called as a loader starts an epoch)."""
+    global _finder
+    if _finder is not None:
+        return
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    _finder = register_module_forward_pre_hook(_find_ddp)
+
+
+def _find_ddp(module, _inputs) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    global _finder
+    if not isinstance(module, DistributedDataParallel):
+        return
+    if _finder is not None:
+        _finder.remove()
+        _finder = None
+    if module in _hooked:
+        return
+    _hooked.add(module)
+    try:
+        module.register_comm_hook(None, _timed_allreduce)
+    except RuntimeError:
+        pass  # a hook of the user's, or training already under way: no all-reduce timing for this model
+
+
+def _timed_allreduce(process_group, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    started = time.perf_counter()
+
+    def waited(future):
+        _comm_waited(time.perf_counter() - started)
+        return future.value()
+
+    return allreduce_hook(process_group, bucket).then(waited)

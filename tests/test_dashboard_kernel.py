@@ -32,6 +32,19 @@ for epoch in range(1, 10_000):
 """
 
 
+# Another cell, busy until the background job has reported 3 epochs and its dashboard has drawn a figure.
+WHILE_IT_TRAINS = """\
+import time
+from ddp_notebook.notebook.dashboard import DisplayView
+job = _2
+view = next(v for listener in job.listeners for v in getattr(listener, "views", []) if isinstance(v, DisplayView))
+while len(job.history) < 3 or "image/png" not in view.figure_output.data:
+    time.sleep(0.1)
+time.sleep(1)
+print(job.status)
+"""
+
+
 def run_collecting(kc, code: str, timeout: float = 120) -> tuple[str, list[dict]]:
     """Execute ``code``; its msg_id and every iopub message (any parent) until that execution is idle."""
     msg_id = kc.execute(code)
@@ -90,8 +103,7 @@ def test_a_background_dashboard_updates_its_own_cell_while_others_run(no_leftove
         assert len(created) == 4  # the ranks' output, the button, the status, the figure
         assert "_2.stop() does the same" in widgets[0]["content"]["data"]["text/plain"]
         # Another cell runs for a while; the dashboard's updates still carry the background cell as parent.
-        other, messages = run_collecting(kc, "import time\njob = _2\nwhile len(job.history) < 3:\n"
-                                                 "    time.sleep(0.1)\ntime.sleep(1)\nprint(job.status)")
+        other, messages = run_collecting(kc, WHILE_IT_TRAINS)
         updates = [m for m in messages if m["msg_type"] == "update_display_data"]
         assert updates and all(m["parent_header"]["msg_id"] == started for m in updates)
         texts = [m["content"]["data"]["text/plain"] for m in updates if "image/png" not in m["content"]["data"]]

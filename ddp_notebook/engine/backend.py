@@ -116,6 +116,26 @@ class RankBackend(abc.ABC):
     def kill(self) -> None:
         """Stop every rank and anything it started, and remove what the backend made."""
 
+    def describe_exit(self, rank: int, code: int | None) -> str:
+        """How a rank that ended without a word ended: its exit ``code``, a negative signal number, or None
+        when only its lost connection tells."""
+        if code is None:
+            return f"rank {rank} lost its connection to the notebook (it, its torchrun agent or its host ended) " \
+                   f"without reporting an error"
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        if code in (-signal.SIGABRT, 134):
+            how += " (abort or crash)"
+        elif code == -signal.SIGSEGV:
+            how += " (segmentation fault)"
+        return f"rank {rank} {how} without reporting an error"
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
 
 class ChannelRanks(RankBackend):
     """Ranks as processes of this host that talk to the notebook over the authenticated channel.
@@ -231,10 +251,14 @@ class ChannelRanks(RankBackend):
                 elif kind == protocol.READY:
                     self.ready.add(rank)
                 log.debug("rank %s: %s %s", rank, kind, sorted(body))
-                self._on_message(rank, kind, body)
+                self.handle(rank, kind, body)
         except (EOFError, OSError):
             self.connections.pop(conn, None)
             conn.close()
+
+    def handle(self, rank: int, kind: str, body: dict) -> None:
+        """A rank's message, once it has said who it is (hook: messages a backend acts on itself)."""
+        self._on_message(rank, kind, body)
 
     def drain(self, rank: int) -> None:
         """Read what an exited rank left in its pipes and its connection (without waiting: a child of the

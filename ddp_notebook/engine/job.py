@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-import signal
 import threading
 import time
 import logging
@@ -49,13 +48,6 @@ def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
     if observer not in _job_observers:
         _job_observers.append(observer)
     return observer
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
 
 
 _task_ids = itertools.count(1)
@@ -231,16 +223,8 @@ class Job(EventSource):
     def _on_exit(self, rank: int, code: int | None) -> None:
         if rank not in self._results and rank not in self._failures and self._outcome is None \
                 and not self._finishing:
-            if code is None:  # a rank on another host: only its connection tells
-                how = "lost its connection to the notebook (it, its torchrun agent or its host ended)"
-            else:
-                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-            if code in (-signal.SIGABRT, 134):
-                how += " (abort or crash)"
-            elif code == -signal.SIGSEGV:
-                how += " (segmentation fault)"
-            self._add_failure(Failure(rank, "RankDied", f"rank {rank} {how} without reporting an error",
-                                      "", time.time(), "exit"))
+            self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
+                                      "exit"))
         self.emit(protocol.EXITED, rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
@@ -267,7 +251,7 @@ class Job(EventSource):
             return
         group = self.group
         if spec.init_group and len(group.ready) + len(group.exited) < spec.world_size \
-                and time.time() - group.started_at > spec.startup_timeout:
+                and group.started_at is not None and time.time() - group.started_at > spec.startup_timeout:
             late = sorted(set(range(spec.world_size)) - group.ready)
             self._add_failure(Failure(late[0], "StartupTimeout",
                                       f"ranks {', '.join(map(str, late))} did not join the process group within "

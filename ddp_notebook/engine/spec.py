@@ -47,6 +47,8 @@ class JobSpec:
     notes: list[str] = field(default_factory=list)  # told to the user at start
     nnodes: int = 1  # > 1: this host is node 0 of a job on several hosts (nodes.py); world_size counts them all
     export_path: str | None = None  # the script the other hosts run under torchrun (nnodes > 1)
+    executor: Any = None  # a submitit executor: the ranks are the tasks of a Slurm job (slurm.py)
+    chosen_backend: str | None = None  # with an executor, the backend asked for (None: each rank chooses)
 
 
 def parse_gpus(gpus: Any) -> int | list[int]:

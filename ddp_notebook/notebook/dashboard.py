@@ -109,6 +109,17 @@ class Status:
         self.progress: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in its current epoch
         self.outcome: str | None = None  # "done", "failed", "stopped"
         self.ended_at: float | None = None
+        self.queued: str | None = None  # "Slurm job 1234 (Resources)" while a scheduler holds the job
+        self.queued_since: float | None = None
+
+    def scheduled(self, body: dict) -> None:
+        """A scheduler's news of the job (``SCHEDULER`` events): queued until it runs; the clock starts then."""
+        if body["state"] == "PENDING":
+            self.queued = f"{body['scheduler']} job {body['job']}" + (f" ({body['reason']})" if body["reason"] else "")
+            self.queued_since = body.get("since") or time.time()
+        elif self.queued is not None:
+            self.queued = None
+            self.started_at = time.time()
 
     @classmethod
     def of_finished(cls, job) -> "Status":
@@ -162,6 +173,8 @@ class Status:
             parts = [self.outcome, f"{self.world_size} ranks"] + ([where] if where else []) + \
                 [_clock(end - self.started_at)]
             return " · ".join(parts)
+        if self.queued is not None:
+            return f"queued: {self.queued}, {_clock(now - self.queued_since)}"
         if len(self.ready) < self.world_size and not self.exited:
             parts = [f"starting: {len(self.ready)}/{self.world_size} ranks ready"]
         else:
@@ -527,6 +540,11 @@ class Watcher:
                 self.status.training_since = time.time()
         elif kind == protocol.EXITED:
             self.status.exited.add(rank)
+        elif kind == protocol.SCHEDULER:
+            with self.lock:
+                self.status.scheduled(body)
+            if self.status.queued is not None:
+                self._first_report()  # the dashboard shows while the job waits in the queue
         elif kind == protocol.ENDED:
             self._ended(body)
 

@@ -188,6 +188,12 @@ class DDPMagics(Magics):
               help="the notebook's node: 0 (the other nodes run under torchrun)")
     @argument("--master-addr", default=None, metavar="HOST",
               help="with --nnodes: this host's address, as the other hosts reach it")
+    @argument("--executor", default=None, metavar="NAME",
+              help="a submitit executor in the notebook: run the cell on the tasks of a Slurm job (one rank "
+                   "per task, nodes x tasks_per_node ranks)")
+    @argument("--detach", action="store_true",
+              help="with --executor: leave the Slurm job running on its own and return its handle; "
+                   "ddp_notebook.follow(handle.folder) shows it from any kernel")
     @cell_magic
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of a DDP job.
@@ -208,7 +214,8 @@ class DDPMagics(Magics):
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
         export_only = args.export is not None and args.nnodes == 1
-        warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only)
+        executor = _executor(shell, args.executor)
+        warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only, executor)
         try:
             job_spec.check_options(args.port, args.seed, args.timeout)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
@@ -226,7 +233,7 @@ class DDPMagics(Magics):
             spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
                 timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                export=args.export, output_ranks=output_ranks)
+                export=args.export, output_ranks=output_ranks, executor=executor)
             if warm is not None:
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
             sources = payload.notebook_sources()
@@ -238,6 +245,8 @@ class DDPMagics(Magics):
                                            timeout=args.timeout, backend=args.backend)
                 print(exported.summary(args.cpus or _gpu_count(args.gpus) or "N"))
                 return None
+            if args.detach:
+                return api.submit_detached(spec, task)
             relay = background_relay(output_ranks) if args.background else None
             job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
                                        relay=relay, targets=targets, background=args.background)
@@ -343,8 +352,40 @@ class DDPMagics(Magics):
         return picker.gpu_picker()
 
 
+def _executor(shell, name: str | None):
+    """The notebook's submitit executor that ``--executor NAME`` names."""
+    if name is None:
+        return None
+    head, *attributes = name.split(".")
+    if head not in shell.user_ns:
+        raise UsageError(f"--executor {name}: no such name in the notebook (make one with "
+                         f"ex = submitit.AutoExecutor(folder=...))")
+    value = shell.user_ns[head]
+    try:
+        for attribute in attributes:
+            value = getattr(value, attribute)
+    except AttributeError as exc:
+        raise UsageError(f"--executor {name}: {exc}") from None
+    return value
+
+
 def _check_node_flags(args, export_only: bool) -> None:
-    """Refuse flags that do not go together with --export or --nnodes."""
+    """Refuse flags that do not go together with --export, --nnodes, --executor or --detach."""
+    if args.executor is not None:
+        clash = [flag for flag, given in (("--export", args.export), ("--ranks", args.ranks),
+                                          ("--run-dir", args.run_dir)) if given]
+        if clash:
+            raise LaunchError(f"--executor runs the cell as a Slurm job; {', '.join(clash)} do not go with it")
+    if args.detach:
+        if args.executor is None:
+            raise LaunchError("--detach leaves a Slurm job running on its own: it goes with --executor")
+        clash = [flag for flag, given in (("--return", args.returns), ("--background", args.background),
+                                          ("--callback", args.callbacks), ("--tensorboard", args.tensorboard))
+                 if given]
+        if clash:
+            raise LaunchError(f"--detach returns at once and the job reports to files, not to this kernel; "
+                              f"{', '.join(clash)} need the kernel to follow the job (ddp_notebook.follow shows a "
+                              f"detached job's metrics)")
     if args.nnodes == 1:
         if args.node_rank != 0 or args.master_addr is not None:
             raise LaunchError("--node-rank and --master-addr go with --nnodes (a job on several hosts)")

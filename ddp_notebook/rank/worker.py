@@ -72,13 +72,14 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def set_device(ctx: context.RankContext, gpus: bool) -> None:
-    """The rank's device: its own GPU (``cuda:LOCAL_RANK`` of the GPUs it sees), or the CPU."""
+def set_device(ctx: context.RankContext, gpus: bool, index: int | None = None) -> None:
+    """The rank's device: its own GPU (``cuda:LOCAL_RANK`` of the GPUs it sees, or ``cuda:index``), or the CPU."""
     import torch
 
     if gpus:
-        torch.cuda.set_device(ctx.local_rank)
-        ctx.device = torch.device("cuda", ctx.local_rank)
+        index = ctx.local_rank if index is None else index
+        torch.cuda.set_device(index)
+        ctx.device = torch.device("cuda", index)
     else:
         ctx.device = torch.device("cpu")
     sharing.set_rank_device(ctx.device)

@@ -24,11 +24,13 @@ METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
 PROGRESS = "progress"  # {done, total}: progress() within an epoch
 SYNCED = "synced"  # {task}: answer to SYNC
 BYE = "bye"  # {}: the rank is leaving
+FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
 
 # What a job adds for its listeners
 STARTED = "started"  # {world_size, port, pids}
 EXITED = "exited"  # {code}: a rank's process ended (code None: on another host)
 ENDED = "ended"  # {ok}
+SCHEDULER = "scheduler"  # {scheduler, job, state, reason, since[, mode, why]}: a scheduled job's place in its queue
 
 # Metric records: what report() sends, reduced over ranks in the notebook.
 X_KEYS = ("epoch", "step")
@@ -41,12 +43,24 @@ METRICS_PREFIX, METRICS_SUFFIX = "metrics-node", ".jsonl"
 FILE_START = "start"  # {world_size, ...}: the first record of a node
 FILE_EXIT = "exit"  # {rank[, lost]}: a rank left (lost: its connection broke)
 FILE_END = "end"  # {ok}: the node's last record
+FILE_RESULT = "result"  # {rank, file}: the rank's pickled return value is in that file of the run directory
 RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
+SLURM_RUN_SUFFIX = "_ddp_notebook"  # a Slurm job's run directory: <job folder>/<job id>_ddp_notebook
 
 
 def metrics_path(run_dir: str, node: int) -> str:
     """The metrics file of node ``node`` of an exported run."""
     return os.path.join(run_dir, f"{METRICS_PREFIX}{node}{METRICS_SUFFIX}")
+
+
+def result_name(rank: int) -> str:
+    """The file (in the run directory) that holds a rank's pickled return value, for runs that keep them."""
+    return f"result-rank{rank}.pkl"
+
+
+def slurm_run_dir(job_folder: str, job_id: str) -> str:
+    """Where the ranks of a Slurm job write their metrics and results when they cannot reach the notebook."""
+    return os.path.join(job_folder, f"{job_id}{SLURM_RUN_SUFFIX}")
 
 
 def format_number(value: Any) -> str:

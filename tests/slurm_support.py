@@ -117,7 +117,12 @@ def stop(pids: list[int]) -> None:
             time.sleep(0.1)
 
 
+def queue_state(job_id: str) -> str:
+    """The job's state in Slurm's queue ("" once it has left it)."""
+    out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 def in_queue(job_id: str) -> bool:
     """Whether Slurm still has the job (pending, running or completing)."""
-    out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
-    return bool(out.stdout.strip())
+    return queue_state(job_id) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")

@@ -244,6 +244,30 @@ def test_a_killed_kernel_ends_its_slurm_job(slurm, tmp_path):
         assert gone(pids, within=5)
 
 
+@pytest.mark.kernel
+def test_a_kernel_killed_while_its_job_is_queued_leaves_nothing_to_run(slurm, tmp_path):
+    blocker = subprocess.run(["sbatch", "--parsable", "-n", "2", "--job-name", JOB_NAME, "--output", "/dev/null",
+                              "--wrap", "sleep 20"], capture_output=True, text=True, check=True).stdout.strip()
+    with kernel() as (km, kc):
+        _run(kc, _setup(str(tmp_path / "runs" / "%j")) + "import ddp_notebook.engine.slurm as slurm_backend\n"
+                 "slurm_backend.HEARTBEAT_STALE_S = 8")
+        msg_id = kc.execute(LONG)
+        text, deadline = "", time.time() + 30
+        while "submitted" not in text and time.time() < deadline:
+            msg = kc.get_iopub_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                text += msg["content"]["text"]
+        job_id = _job_id(text)
+        assert slurm_support.queue_state(job_id) == "PENDING"
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    assert _leaves_queue(blocker, 30)
+    assert _leaves_queue(job_id, 30)  # it started, found the kernel gone, and ran nothing
+    log = open(os.path.join(str(tmp_path), "runs", job_id, f"{job_id}_0_log.err")).read()
+    assert "the notebook that submitted this job stopped answering" in log and "the cell is not run" in log
+    assert "PID" not in open(os.path.join(str(tmp_path), "runs", job_id, f"{job_id}_0_log.out")).read()
+    assert _no_staging(tmp_path) == []
+
+
 DETACHED = """%%ddp --executor ex --detach
 import time
 for epoch in range(3):

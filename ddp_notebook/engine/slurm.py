@@ -49,6 +49,11 @@ CONNECT_TIMEOUT_S = 10.0  # a rank that cannot reach the channel by then reports
 QUEUE_POLL_S = 1.0
 LOG_POLL_S = 0.25
 GONE_WAIT_S = 15.0  # after scancel, how long to wait for the job to leave the queue
+# While the ranks have not loaded the task, the kernel touches a file beside it: ranks that cannot reach the channel
+# and find it older than this take the kernel for dead (killed while the job was queued) and do not run the cell.
+HEARTBEAT_EVERY_S = 2.0
+HEARTBEAT_STALE_S = 60.0
+HEARTBEAT_FILE = "notebook-alive"
 ALIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
                 "SIGNALING", "STAGE_OUT"}
 INSTALL = "pip install 'ddp_notebook[slurm]'"
@@ -187,6 +192,7 @@ class SlurmRanks(ChannelRanks):
         self._logs: dict[tuple[int, str], _LogTail] = {}
         self._next_queue_poll = 0.0
         self._next_log_poll = 0.0
+        self._next_beat = float("inf")
         self._gone = False
         self._conn_rank: dict = {}
 
@@ -198,8 +204,10 @@ class SlurmRanks(ChannelRanks):
         self.channel = ChannelServer("0.0.0.0")
         self.address = (os.environ.get(HOST_ENV) or socket.gethostname(), self.channel.address[1])
         notebook = {"address": list(self.address), "key": self.channel.key.hex(), "task": task_id,
-                    "job_dir": None, "files_if_unreachable": True, "connect_timeout": CONNECT_TIMEOUT_S}
+                    "job_dir": None, "files_if_unreachable": True, "connect_timeout": CONNECT_TIMEOUT_S,
+                    "heartbeat": {"file": HEARTBEAT_FILE, "stale_after": HEARTBEAT_STALE_S}}
         self.staging = _staging_dir(self.executor)
+        self._beat()
         self.exported = exporting.write(task, os.path.join(self.staging, "task.py"), seed=spec.seed,
                                         timeout=spec.timeout, backend=spec.chosen_backend, notebook=notebook,
                                         rank_options={"results_to_files": True, "remove_after_load": True})
@@ -228,6 +236,8 @@ class SlurmRanks(ChannelRanks):
     def pump(self, timeout: float = 0.1) -> None:
         super().pump(timeout)
         now = time.monotonic()
+        if now >= self._next_beat:
+            self._beat()
         if now >= self._next_log_poll:
             self._next_log_poll = now + LOG_POLL_S
             self._read_logs()
@@ -235,6 +245,17 @@ class SlurmRanks(ChannelRanks):
             self._next_queue_poll = now + QUEUE_POLL_S
             self._read_files()
             self._poll_queue()
+
+    def _beat(self) -> None:
+        """Tell ranks that have not loaded the task yet that this kernel is alive (see HEARTBEAT_STALE_S)."""
+        self._next_beat = time.monotonic() + HEARTBEAT_EVERY_S
+        path = os.path.join(self.staging, HEARTBEAT_FILE)
+        try:
+            with open(f"{path}.new", "w") as f:
+                f.write(repr(time.time()))
+            os.replace(f"{path}.new", path)
+        except OSError:
+            self._next_beat = float("inf")  # the ranks have loaded the task and removed the staging folder
 
     def _read_logs(self, final: bool = False) -> None:
         for (rank, stream), tail in self._logs.items():

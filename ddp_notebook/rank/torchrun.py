@@ -99,7 +99,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         connected = _connect_notebook(ctx, notebook, quiet=files_if_unreachable)
         if connected is not None:
             sender, finished = connected
-        elif not files_if_unreachable:
+        elif not files_if_unreachable or _notebook_gone(ctx, notebook, here):
             return 1
     log = None
     try:
@@ -116,7 +116,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         if files_if_unreachable:
             unreached = _unreached(ctx, sender is not None)
             if unreached:  # every rank reports through the files, so that one way holds the whole run
-                _leave_notebook(sender, finished, unreached, run_dir)
+                _leave_notebook(sender, finished, unreached, ctx.extra.get("unreached_why"), run_dir)
                 sender = finished = notebook = None
         if notebook is None:
             log = NodeLog(ctx, run_dir, keep_results=run.get("results_to_files", False))
@@ -190,7 +190,7 @@ def _connect_notebook(ctx: context.RankContext, notebook: dict, quiet: bool = Fa
         conn = channel.connect((host, port), bytes.fromhex(notebook["key"]), notebook.get("connect_timeout"))
     except Exception as exc:  # refused, unreachable, or a key that is not this job's
         if quiet:
-            ctx.extra["unreachable"] = f"{host}:{port} ({type(exc).__name__}: {exc})"
+            ctx.extra["unreachable"] = f"{type(exc).__name__}: {exc}"
             return None
         print(f"ddp_notebook: rank {ctx.rank} cannot reach the notebook that runs node 0 of this job at "
               f"{host}:{port} ({type(exc).__name__}: {exc}). This export belongs to that notebook's run of the "
@@ -206,6 +206,26 @@ def _connect_notebook(ctx: context.RankContext, notebook: dict, quiet: bool = Fa
     return sender, finished
 
 
+def _notebook_gone(ctx: context.RankContext, notebook: dict, here: str) -> bool:
+    """True when the kernel that submitted this job has stopped touching its heartbeat file (killed while the job
+    waited in the queue): a kernel that is alive but cannot be reached keeps it fresh."""
+    heartbeat = notebook.get("heartbeat")
+    if heartbeat is None:
+        return False
+    try:
+        with open(os.path.join(here, heartbeat["file"])) as f:
+            age = time.time() - float(f.read())
+    except (OSError, ValueError):
+        age = float("inf")
+    if age <= heartbeat["stale_after"]:
+        return False
+    when = "is gone" if age == float("inf") else f"stopped answering {age:.0f} s ago"
+    print(f"ddp_notebook: rank {ctx.rank}: the notebook that submitted this job {when} (its kernel ended while the "
+          f"job was queued?): the cell is not run", file=sys.stderr, flush=True)
+    shutil.rmtree(here, ignore_errors=True)  # nobody is left to remove the export
+    return True
+
+
 def _unreached(ctx: context.RankContext, reached: bool) -> list[int]:
     """The ranks that could not reach the notebook (every rank learns all of them)."""
     import torch.distributed as dist
@@ -216,12 +236,13 @@ def _unreached(ctx: context.RankContext, reached: bool) -> list[int]:
     return [rank for rank, e in enumerate(everyone) if not e["reached"]]
 
 
-def _leave_notebook(sender, finished, unreached: list[int], run_dir: str) -> None:
+def _leave_notebook(sender, finished, unreached: list[int], why: str | None, run_dir: str) -> None:
     """Tell the notebook (from a rank that reached it) that the run reports through files, then hang up."""
     if sender is None:
         return
     names = ", ".join(map(str, unreached[:8])) + (", ..." if len(unreached) > 8 else "")
-    sender.send(protocol.FILES, {"reason": f"rank(s) {names} could not reach it", "run_dir": run_dir})
+    reason = f"rank(s) {names} could not reach it" + (f" ({why})" if why else "")
+    sender.send(protocol.FILES, {"reason": reason, "run_dir": run_dir})
     sender.flush()
     finished.set()
     sender.close()

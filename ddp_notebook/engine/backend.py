@@ -155,6 +155,7 @@ class ChannelRanks(RankBackend):
         self.connections: dict[Any, int] = {}  # connection -> rank (-1 until its hello)
         self.channel: ChannelServer | None = None
         self._queued: dict[int, list[tuple]] = {}  # messages for ranks not connected yet
+        self._known: dict[Any, int] = {}  # connection -> rank, kept to notice a lost connection
 
     def start(self, task: Any = None, task_id: int = 0) -> "ChannelRanks":
         """Start every rank (:meth:`launch`); what was started is stopped again if that fails."""
@@ -213,6 +214,14 @@ class ChannelRanks(RankBackend):
         if self.channel is not None:
             for conn in self.channel.new_connections():
                 self.connections[conn] = -1
+
+    def lost_ranks(self) -> list[int]:
+        """The ranks whose connection has closed since the last call: where the ranks are not this host's own
+        processes, all that tells they have ended."""
+        for conn, rank in self.connections.items():
+            if rank >= 0:
+                self._known[conn] = rank
+        return [self._known.pop(conn) for conn in [c for c in self._known if c not in self.connections]]
 
     def check_exits(self) -> None:
         """Record ranks whose process has ended, and tell the job (hook: processes of other kinds)."""

@@ -194,7 +194,6 @@ class SlurmRanks(ChannelRanks):
         self._next_log_poll = 0.0
         self._next_beat = float("inf")
         self._gone = False
-        self._conn_rank: dict = {}
 
     # -- start ---------------------------------------------------------------------------------
     def launch(self, task: Any, task_id: int) -> None:
@@ -321,11 +320,7 @@ class SlurmRanks(ChannelRanks):
 
     def check_exits(self) -> None:
         """Ranks on the channel end with their connection (unless they went over to the files)."""
-        for conn, rank in self.connections.items():
-            if rank >= 0:
-                self._conn_rank[conn] = rank
-        for conn in [c for c in self._conn_rank if c not in self.connections]:
-            rank = self._conn_rank.pop(conn)
+        for rank in self.lost_ranks():
             if self.mode != "files" and rank not in self.exited:
                 self.exited[rank] = None
                 self._on_exit(rank, None)

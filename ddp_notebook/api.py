@@ -21,7 +21,8 @@ from .wire import payload
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
            port: int | None = None, seed: int | None = None, backend: str | None = None,
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
-           nnodes: int = 1, master_addr: str | None = None, export: str | None = None) -> Any:
+           nnodes: int = 1, master_addr: str | None = None, export: str | None = None,
+           max_restarts: int = 0) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -33,14 +34,18 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     that many hosts, with the master at ``master_addr:port``; the call is
     exported to the script ``export`` (default ``ddp_node_job.py``), which the
     other hosts run with torchrun (the command is printed).
+
+    ``max_restarts=N``: when a rank fails, every rank is stopped and ``fn`` runs again on fresh ranks, up to N
+    times (``ddp_notebook.attempt()`` and ``ddp_notebook.resume()`` in the ranks).
     """
-    check_options(port, seed, timeout)
+    check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
     warm = warm_pool_for(gpus, cpus, nnodes)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
                 master_addr=master_addr, export=export)
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
-    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background))
+    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
+                                max_restarts=max_restarts))
     return job.run_in_background() if background else job.result()
 
 
@@ -109,7 +114,8 @@ class SpawnContext:
 
 
 def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
-                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False) -> Job:
+                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False,
+                max_restarts: int = 0) -> Job:
     """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.
 
     ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
@@ -120,9 +126,10 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
     data = task if spec.nnodes > 1 else payload.dumps(task, snapshot=background)
     try:
         if warm is not None:
-            job = warm.job(data, spec, targets, relay)
+            job = warm.job(data, spec, targets, relay, max_restarts=max_restarts)
         else:  # fresh ranks of this host, or this host as node 0 of several under a torchrun agent
-            job = Job(spec, data, relay=relay, backend=multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks)
+            job = Job(spec, data, relay=relay, backend=multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks,
+                      max_restarts=max_restarts)
     except BaseException:
         payload.release(data)
         raise

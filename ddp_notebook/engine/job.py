@@ -110,7 +110,8 @@ class Job(EventSource):
     def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0,
                  group: RankBackend | None = None, targets: list[int] | None = None,
                  backend: Callable[[Any, OutputRelay], RankBackend] = LocalRanks,
-                 on_interrupt: Callable[["Job"], None] | None = None):
+                 on_interrupt: Callable[["Job"], None] | None = None, max_restarts: int = 0,
+                 renew: Callable[[str], RankBackend] | None = None):
         self.spec = spec
         self.task = task
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
@@ -118,6 +119,10 @@ class Job(EventSource):
         self.group = group
         self.targets = list(range(spec.world_size)) if targets is None else list(targets)
         self.on_interrupt = on_interrupt
+        self.max_restarts = max_restarts
+        self.renew = renew  # fresh ranks for the next attempt on a pool's group (the pool restarts them)
+        self.attempt = 0  # 0, then 1, 2, ... after each restart
+        self.attempts: list[dict] = []  # the failed attempts: {"attempt", "cause", "error"}
         self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
         self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
@@ -131,6 +136,7 @@ class Job(EventSource):
         self._failures: dict[int, Failure] = {}
         self._first_failure_at: float | None = None
         self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
+        self._exit_how: dict[int, str] = {}  # rank -> "SIGKILL", "exit code 3": how a rank died unreported
         self._thread: threading.Thread | None = None
         self._finishing = False
         self._stop_requested = False
@@ -191,13 +197,58 @@ class Job(EventSource):
             self.group = self.backend(spec, self.relay).start(self.task, self.task_id)
         else:
             self.group.relay = self.relay
-        self.group.attach(self._on_message, self._on_exit)
-        log.debug("job #%s started on %s: %s ranks, port %s", self.task_id, type(self.group).__name__,
-                  spec.world_size, self.port)
-        if not self.group.runs_own_task:
-            self._send_task()
+        self._begin_attempt()
         self.emit(protocol.STARTED, -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
         return self
+
+    def _begin_attempt(self) -> None:
+        self.group.attach(self._on_message, self._on_exit)
+        log.debug("job #%s started on %s: %s ranks, port %s (attempt %s)", self.task_id, type(self.group).__name__,
+                  self.spec.world_size, self.port, self.attempt)
+        if not self.group.runs_own_task:
+            self._send_task()
+
+    # -- restart ---------------------------------------------------------
+    def _may_restart(self) -> bool:
+        if self._outcome is None or self._stop_requested or self.attempt >= self.max_restarts:
+            return False
+        kind, value = self._outcome
+        return kind == "error" and isinstance(value, RankError)
+
+    def _restart(self) -> None:
+        """This attempt failed: stop every rank and run the task again on fresh ranks (a fresh port)."""
+        error: RankError = self._outcome[1]
+        cause = self._cause_text(error)
+        self.attempts.append({"attempt": self.attempt, "cause": cause, "error": error})
+        log.debug("job #%s attempt %s failed (%s); restarting", self.task_id, self.attempt, cause)
+        self._finishing = True
+        self._forget_task_file()
+        if self._owns_group:
+            self.group.kill()
+            self.group = None
+        self._results, self._failures, self._exit_how = {}, {}, {}
+        self._first_failure_at = None
+        self._outcome = None
+        self._finishing = False
+        self.attempt += 1
+        if self._owns_group:
+            self.group = self.backend(self.spec, self.relay).start(self.task, self.task_id)
+        else:
+            self.group = self.renew(f"attempt {self.attempt} of job #{self.task_id} failed: {cause}")
+            self.group.relay = self.relay
+        self.emit(protocol.RESTARTED, -1, {"attempt": self.attempt, "attempts": self.max_restarts + 1,
+                                            "cause": cause, "failure": error.failure})
+        self._begin_attempt()
+
+    def _cause_text(self, error: RankError) -> str:
+        """One line on why an attempt failed: "rank 1 died (SIGKILL)"."""
+        failure = error.failure
+        if failure.kind == "exit" and failure.rank in self._exit_how:
+            return f"rank {failure.rank} died ({self._exit_how[failure.rank]})"
+        if failure.kind == "timeout":
+            return error.summary()
+        headline = failure.headline()
+        return f"rank {failure.rank} failed: {headline if len(headline) <= 100 else headline[:97] + '...'}"
 
     def _send_task(self) -> None:
         try:
@@ -207,7 +258,8 @@ class Job(EventSource):
                 self.group.kill()
             raise
         for rank in self.targets:
-            self.group.send(rank, (protocol.RUN, {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed}))
+            self.group.send(rank, (protocol.RUN, {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed,
+                                                  "attempt": self.attempt}))
 
     # -- watch -----------------------------------------------------------
     def _pump(self, timeout: float = 0.1) -> None:
@@ -235,6 +287,7 @@ class Job(EventSource):
                 how = "lost its connection to the notebook (it, its torchrun agent or its host ended)"
             else:
                 how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+                self._exit_how[rank] = _signal_name(code) if code < 0 else f"exit code {code}"
             if code in (-signal.SIGABRT, 134):
                 how += " (abort or crash)"
             elif code == -signal.SIGSEGV:
@@ -293,7 +346,8 @@ class Job(EventSource):
             note = "(every rank failed the same way)"
         elif others and cause.kind != "timeout":
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
-        self._outcome = ("error", RankError(cause, failures, note))
+        earlier = [f"attempt {a['attempt'] + 1}: {a['cause']}" for a in self.attempts]
+        self._outcome = ("error", RankError(cause, failures, note, earlier))
 
     # -- wait / stop -----------------------------------------------------
     def result(self) -> list[Any]:
@@ -322,8 +376,12 @@ class Job(EventSource):
 
     def _run(self) -> None:
         try:
-            while self._outcome is None and not self._stop_requested:
-                self._pump()
+            while True:
+                while self._outcome is None and not self._stop_requested:
+                    self._pump()
+                if not self._may_restart():
+                    break
+                self._restart()
         except BaseException:
             self._stop_now()
             raise
@@ -383,13 +441,16 @@ class Job(EventSource):
             self.on_interrupt(self)
         self._end()
 
-    def _end(self) -> None:
+    def _forget_task_file(self) -> None:
         if self._task_path is not None:
             try:
                 os.unlink(self._task_path)
             except OSError:
                 pass
             self._task_path = None
+
+    def _end(self) -> None:
+        self._forget_task_file()
         payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
         if self.ended_at is None:
             self.ended_at = time.time()

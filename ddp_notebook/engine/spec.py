@@ -126,8 +126,14 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
                    backend=backend or "nccl", notes=notes)
 
 
-def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None) -> None:
+def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None, *,
+                  max_restarts: Any = 0, nnodes: int = 1) -> None:
     """Refuse malformed job options before anything starts."""
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise LaunchError(f"max_restarts must be a non-negative integer, not {max_restarts!r}")
+    if max_restarts and nnodes != 1:
+        raise LaunchError("restarts of a job on several hosts are torchrun's: run the export with "
+                          "torchrun --max-restarts N (ddp_notebook.attempt() counts them there too)")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
         raise LaunchError(f"port must be between 1 and 65535, not {port!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):

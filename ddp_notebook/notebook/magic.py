@@ -165,6 +165,9 @@ class DDPMagics(Magics):
               help="seed python, numpy and torch identically on every rank before the cell runs")
     @argument("--timeout", type=float, default=None, metavar="SECONDS",
               help="bound for each collective (passed to init_process_group)")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="when a rank fails, stop every rank and run the cell again on fresh ranks, up to N times "
+                   "(ddp_notebook.attempt(), ddp_notebook.resume())")
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
@@ -210,7 +213,8 @@ class DDPMagics(Magics):
         export_only = args.export is not None and args.nnodes == 1
         warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only)
         try:
-            job_spec.check_options(args.port, args.seed, args.timeout)
+            job_spec.check_options(args.port, args.seed, args.timeout, max_restarts=args.max_restarts,
+                                   nnodes=args.nnodes)
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
@@ -227,7 +231,7 @@ class DDPMagics(Magics):
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
                 timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 export=args.export, output_ranks=output_ranks)
-            if warm is not None:
+            if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
             sources = payload.notebook_sources()
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
@@ -240,7 +244,8 @@ class DDPMagics(Magics):
                 return None
             relay = background_relay(output_ranks) if args.background else None
             job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
-                                       relay=relay, targets=targets, background=args.background)
+                                       relay=relay, targets=targets, background=args.background,
+                                       max_restarts=args.max_restarts)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure

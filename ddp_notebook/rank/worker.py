@@ -248,6 +248,8 @@ def main() -> None:
             continue
         if kind != protocol.RUN:
             continue
+        ctx.extra["attempt"] = int(body.get("attempt", 0))
+        ctx.extra["task"] = body["task"]
         run_task(ctx, sender, body["task"], lambda: payload.load(body["path"]), body.get("seed"), namespace,
                  interruptible)
 

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 # The notebook to a rank
-RUN = "run"  # {task, path, seed}: load the task file and run it
+RUN = "run"  # {task, path, seed, attempt}: load the task file and run it (attempt: 0, then 1, 2, ... after restarts)
 SYNC = "sync"  # {task, timeout}: a warm pool's barrier after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 
@@ -24,11 +24,13 @@ METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
 PROGRESS = "progress"  # {done, total}: progress() within an epoch
 SYNCED = "synced"  # {task}: answer to SYNC
 BYE = "bye"  # {}: the rank is leaving
+RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
 
 # What a job adds for its listeners
 STARTED = "started"  # {world_size, port, pids}
 EXITED = "exited"  # {code}: a rank's process ended (code None: on another host)
 ENDED = "ended"  # {ok}
+RESTARTED = "restarted"  # {attempt, attempts, cause, failure}: an attempt failed; the task runs again on fresh ranks
 
 # Metric records: what report() sends, reduced over ranks in the notebook.
 X_KEYS = ("epoch", "step")

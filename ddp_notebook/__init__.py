@@ -11,6 +11,7 @@ import os as _os
 from .rank.context import attempt, current as rank_context
 from .wire.errors import DDPNotebookError, JobStopped, LaunchError, RankError
 from .rank.metrics import Sum, progress, report
+from .rank.stopping import should_stop
 from .version import __version__
 
 if _os.environ.get("DDP_NOTEBOOK_DEBUG", "").strip() not in ("", "0"):
@@ -22,7 +23,7 @@ if _os.environ.get("DDP_NOTEBOOK_DEBUG", "").strip() not in ("", "0"):
 __all__ = [
     "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "JobStopped", "DDPNotebookError",
     "rank_context", "attempt", "resume", "load_ipython_extension",
-    "report", "progress", "Sum",
+    "report", "progress", "Sum", "should_stop",
     "gpu_picker", "export", "follow",
     "distributed_loader", "all_reduce_metrics", "save_checkpoint", "load_checkpoint", "BestCheckpoint",
     "clean_state_dict", "unwrap_model",

@@ -12,6 +12,7 @@ import itertools
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import logging
@@ -111,7 +112,7 @@ class Job(EventSource):
                  group: RankBackend | None = None, targets: list[int] | None = None,
                  backend: Callable[[Any, OutputRelay], RankBackend] = LocalRanks,
                  on_interrupt: Callable[["Job"], None] | None = None, max_restarts: int = 0,
-                 renew: Callable[[str], RankBackend] | None = None):
+                 renew: Callable[[str], RankBackend] | None = None, stop_grace: float = 10.0):
         self.spec = spec
         self.task = task
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
@@ -123,6 +124,12 @@ class Job(EventSource):
         self.renew = renew  # fresh ranks for the next attempt on a pool's group (the pool restarts them)
         self.attempt = 0  # 0, then 1, 2, ... after each restart
         self.attempts: list[dict] = []  # the failed attempts: {"attempt", "cause", "error"}
+        self.stop_grace = stop_grace  # how long a graceful stop may wait for a batch boundary
+        self.stoppable: set[int] = set()  # ranks whose task checks for a graceful stop
+        self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
+        self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
+        self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
+        self._stopped_where: dict[int, dict] = {}
         self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
         self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
@@ -161,8 +168,8 @@ class Job(EventSource):
         if self._outcome is None or self.ended_at is None:
             return "running"
         kind, value = self._outcome
-        stopped = isinstance(value, (KeyboardInterrupt, JobStopped))
-        return "done" if kind == "ok" else "stopped" if stopped else "failed"
+        stopped = isinstance(value, (KeyboardInterrupt, JobStopped)) or self.stopped_at is not None
+        return "stopped" if stopped else "done" if kind == "ok" else "failed"
 
     @property
     def outcome(self) -> Outcome:
@@ -180,6 +187,16 @@ class Job(EventSource):
         """The job's error once it has failed; :class:`JobStopped` once stopped (``KeyboardInterrupt`` when
         a foreground run was interrupted)."""
         return self._outcome[1] if self._outcome is not None and self._outcome[0] == "error" else None
+
+    @property
+    def stopped_text(self) -> str | None:
+        """"stopped at epoch 4, batch 17" (or "at step 17") after a graceful stop, else None."""
+        where = self.stopped_at
+        if where is None:
+            return None
+        if "step" in where:
+            return f"stopped at step {where['step']}"
+        return f"stopped at epoch {where['epoch']}, batch {where['batch']}"
 
     def __repr__(self) -> str:
         where = f"{self.spec.world_size} GPU ranks" if self.spec.gpus else f"{self.spec.world_size} CPU ranks"
@@ -269,7 +286,11 @@ class Job(EventSource):
     def _on_message(self, rank: int, kind: str, body: dict) -> None:
         if body.get("task", self.task_id) != self.task_id:
             return  # a late word about an earlier cell of a warm pool
+        if kind == protocol.STOPPABLE:
+            self.stoppable.add(rank)
         if kind == protocol.RESULT and rank in self.targets:
+            if body.get("stopped"):
+                self._stopped_where[rank] = body["stopped"]
             try:
                 self._results[rank] = pickle.loads(body["value"])
             except Exception as exc:
@@ -316,6 +337,8 @@ class Job(EventSource):
                 self._fail()
             return
         if len(self._results) == len(targets):
+            if self._stopped_where:
+                self.stopped_at = self._stopped_where.get(targets[0]) or next(iter(self._stopped_where.values()))
             self._outcome = ("ok", [self._results[r] for r in targets])
             return
         group = self.group
@@ -378,7 +401,7 @@ class Job(EventSource):
         try:
             while True:
                 while self._outcome is None and not self._stop_requested:
-                    self._pump()
+                    self._pump_or_stop_gracefully()
                 if not self._may_restart():
                     break
                 self._restart()
@@ -389,6 +412,40 @@ class Job(EventSource):
             self._stop_now()  # stop() asked for it
         else:
             self._finish()
+
+    def _pump_or_stop_gracefully(self) -> None:
+        """Pump; the first interrupt asks a task that checks for it to stop at its next batch boundary.  A second
+        interrupt, or no boundary within ``stop_grace`` seconds, stops it hard (KeyboardInterrupt)."""
+        try:
+            if self._graceful_by is not None and self._stop_asked_at is None:
+                self._ask_to_stop(self._graceful_by)
+            self._pump()
+        except KeyboardInterrupt:
+            if self._stop_asked_at is None and self.stoppable:
+                self._ask_to_stop("the interrupt")
+                return
+            raise
+        if self._stop_asked_at is not None and self._outcome is None \
+                and time.monotonic() - self._stop_asked_at > self.stop_grace:
+            log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, self.stop_grace)
+            self._on_grace_expired()
+            if self._graceful_by is not None:
+                self._stop_requested = True  # job.stop(): the stop becomes a hard one (JobStopped)
+            else:
+                raise KeyboardInterrupt
+
+    def _ask_to_stop(self, by: str) -> None:
+        """Ask every rank to stop at the next batch boundary (they agree on the same one)."""
+        self._stop_asked_at = time.monotonic()
+        log.debug("job #%s: graceful stop asked by %s", self.task_id, by)
+        self.emit(protocol.STOPPING, -1, {"by": by, "grace": self.stop_grace})
+        for rank in self.targets:
+            self.group.send(rank, (protocol.STOP, {"task": self.task_id}))
+
+    def _on_grace_expired(self) -> None:
+        """Hook: what to show when a graceful stop found no boundary in time."""
+        print(f"ddp_notebook: no batch boundary within {self.stop_grace:g} s of the stop; stopping hard",
+              file=sys.stderr)
 
     def run_in_background(self) -> "Job":
         _background_jobs.append(weakref.ref(self))
@@ -413,11 +470,23 @@ class Job(EventSource):
                 self.group.kill()
         self._end()
 
-    def stop(self, timeout: float = 10.0, *, by: str = "job.stop()") -> None:
-        """Stop the job: its own ranks are ended; on a warm pool the pool brings its ranks back.
+    def stop(self, timeout: float | None = 10.0, *, by: str = "job.stop()", now: bool = False) -> None:
+        """Stop the job; its ``status`` becomes 'stopped'.
 
-        Its ``status`` becomes 'stopped' and ``wait()`` raises :class:`JobStopped` naming ``by``.
+        Gracefully when its task checks for it (a ``distributed_loader``, ``should_stop()``) and ``now`` is
+        False: every rank stops at the same batch boundary, the cell ends normally and ``wait()`` returns the
+        values (``stopped_at`` says where).  Otherwise, or with no boundary within ``stop_grace`` seconds, hard:
+        its own ranks are ended (a warm pool brings its ranks back) and ``wait()`` raises :class:`JobStopped`
+        naming ``by``.  Waits at most ``timeout`` seconds (a graceful stop: the grace period more; None: until
+        it has ended).
         """
+        thread = self._thread
+        if not now and self.stoppable and self._outcome is None and thread is not None and thread.is_alive() \
+                and thread is not threading.current_thread():
+            self._graceful_by = by  # the job's own thread sends it: it owns the ranks' connections
+            self._stopped_by = by
+            thread.join(None if timeout is None else timeout + self.stop_grace)
+            return
         if not self._stop_requested:
             self._stopped_by = by
         thread = self._thread

@@ -166,7 +166,7 @@ class Pool:
         global _current
         self._stopping = True  # a job still running ends without bringing the ranks back
         if self.busy is not None:
-            self.busy.stop(timeout=None, by="%ddp_stop (the warm pool was stopped)")
+            self.busy.stop(timeout=None, by="%ddp_stop (the warm pool was stopped)", now=True)
         if self.group is not None:
             self.group.shut_down(wait=5.0)
             self.group = None
@@ -263,7 +263,7 @@ class Pool:
         self.cells += 1
         if self.group is None or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
-        if job.status != "done":  # what the failed cell bound, or was sent, may be missing or half-made
+        if job.results is None:  # what the failed cell bound, or was sent, may be missing or half-made
             for rank in job.targets:
                 for name in names_assigned(code) | set(shipped):
                     self._held[rank].pop(name, None)

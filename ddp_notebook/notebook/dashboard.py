@@ -109,6 +109,7 @@ class Status:
         self.progress: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in its current epoch
         self.outcome: str | None = None  # "done", "failed", "stopped"
         self.ended_at: float | None = None
+        self.stopping: str | None = None  # a graceful stop under way
         self.restart: str | None = None  # the latest restart: "rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 3"
 
     @classmethod
@@ -175,6 +176,8 @@ class Status:
             parts.append(f"ETA {_clock(eta)}")
         if self.restart:
             parts.append(self.restart)
+        if self.stopping:
+            parts.append(self.stopping)
         return " · ".join(parts)
 
 
@@ -550,14 +553,17 @@ class Watcher:
             self.status.exited.add(rank)
         elif kind == protocol.ENDED:
             self._ended(body)
+        elif kind == protocol.STOPPING:
+            with self.lock:
+                self.status.stopping = f"stopping at the next batch (asked by {body['by']})"
         elif kind == protocol.RESTARTED:
             self._restarted(body)
         elif kind == protocol.RESUMED:
             with self.lock:
                 self.status.restart = f"{self.status.restart}, resuming from epoch {body['epoch']}" \
                     if self.status.restart else f"resuming from epoch {body['epoch']}"
-            print(f"ddp_notebook: attempt {self.job.attempt + 1} resumes from epoch {body['epoch']}",
-                  file=sys.stderr)
+            print(f"ddp_notebook: attempt {getattr(self.job, 'attempt', 0) + 1} resumes from epoch "
+                  f"{body['epoch']}", file=sys.stderr)
 
     def _restarted(self, body: dict) -> None:
         """An attempt failed and the job runs again on fresh ranks: mark it on the curves and the status line."""
@@ -593,7 +599,10 @@ class Watcher:
             for update in updates:
                 self.curves.add(update)
             self.status.ended_at = self.job.ended_at or time.time()
-            if body.get("ok"):
+            stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
+            if stopped_text:
+                self.status.outcome = stopped_text
+            elif body.get("ok"):
                 self.status.outcome = "done"
             elif stopped:
                 self.status.outcome = "stopped"

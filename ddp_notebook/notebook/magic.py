@@ -168,6 +168,9 @@ class DDPMagics(Magics):
     @argument("--max-restarts", type=int, default=0, metavar="N",
               help="when a rank fails, stop every rank and run the cell again on fresh ranks, up to N times "
                    "(ddp_notebook.attempt(), ddp_notebook.resume())")
+    @argument("--grace", type=float, default=10.0, metavar="SECONDS",
+              help="after the first interrupt (or Stop), how long the ranks may take to reach a batch boundary "
+                   "and stop gracefully before they are stopped hard")
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
@@ -215,6 +218,8 @@ class DDPMagics(Magics):
         try:
             job_spec.check_options(args.port, args.seed, args.timeout, max_restarts=args.max_restarts,
                                    nnodes=args.nnodes)
+            if not args.grace > 0:
+                raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
@@ -246,6 +251,7 @@ class DDPMagics(Magics):
             job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
                                        relay=relay, targets=targets, background=args.background,
                                        max_restarts=args.max_restarts)
+            job.stop_grace = args.grace
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
@@ -266,6 +272,8 @@ class DDPMagics(Magics):
             results = job.result()
         finally:
             settle(job)
+        if job.stopped_text:
+            print(f"ddp_notebook: {job.stopped_text}", file=sys.stderr)
         if returns:
             _take_returns(shell, results[0])
 
@@ -435,12 +443,15 @@ def background_relay(output_ranks: set[int] | None = None):
 def _start_in_background(shell, job, returns: list[str], relay, settle):
     def finished(job):
         settle(job)
-        if job.status == "done" and returns:
+        if job.results is not None and returns:
             result = job.results[0]
             shell.user_ns.update(result.values)
             missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
-            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} done: {', '.join(result.values)} "
+            how = job.stopped_text or "done"
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
                                      f"copied into the notebook{missing}\n")
+        elif job.stopped_text:
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
         elif job.status == "failed":
             relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":

@@ -20,7 +20,7 @@ import queue
 
 from ..wire import protocol
 from ..wire import channel
-from . import context
+from . import context, stopping
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -54,6 +54,9 @@ def _receive_tasks(conn, tasks: "queue.Queue") -> None:
         except (EOFError, OSError):
             _die_with_group()
             return
+        if msg[0] == protocol.STOP:  # now, while the main thread runs the task
+            stopping.request(msg[1]["task"])
+            continue
         tasks.put(msg)
         if msg[0] == protocol.EXIT:
             return
@@ -118,6 +121,8 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
     )
     join_group(ctx, boot["backend"], boot.get("timeout"), store)
     ctx.extra["store"] = store
+    if boot["backend"] != "gloo":  # a graceful stop's flag is reduced on the CPU
+        ctx.extra["cpu_group"] = dist.new_group(backend="gloo")
 
 
 def _sync(ctx, sender, body: dict) -> None:
@@ -186,7 +191,9 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.clear()
         if sender is not None:
-            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value)})
+            stopped = stopping.stopped_at()
+            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
+                                          **({"stopped": stopped} if stopped else {})})
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()

@@ -38,6 +38,13 @@ class JobStopped(DDPNotebookError):
         return type(self), (self.job_id, self.by)
 
 
+class TrainingStopped(BaseException):
+    """Raised in a rank by a loader iterated again after a graceful stop: the cell ends there, normally.
+
+    A ``BaseException``, so that a cell's ``except Exception`` does not swallow it.
+    """
+
+
 @dataclass
 class Failure:
     """What one rank reported (or what its exit told) about why it failed."""

@@ -134,7 +134,8 @@ def test_no_boundary_within_the_grace_period_stops_hard(no_leftovers):
         started = time.monotonic()
         reply, told = _interrupt_and_collect(km, kc, msg_id)
         assert reply["content"]["ename"] == "KeyboardInterrupt", told
-        assert "no batch boundary within 2 s of the stop; stopping hard" in told
+        assert "no batch boundary within 2 s of the stop; stopping hard. Where each rank was:" in told
+        assert re.search(r"rank 0: all_reduce ← Cell In\[\d+\] line 7\nrank 1: Cell In\[\d+\] line 9", told), told
         assert gone(pids, 5)
         assert time.monotonic() - started >= 2
 
@@ -197,3 +198,73 @@ def test_a_graceful_stop_on_the_warm_pool_keeps_the_pool_and_its_state(no_leftov
         assert set(map(int, re.findall(r"AFTER (\d+) DistributedDataParallel", after))) == pids, after
         _output(kc, "%ddp_stop")
         assert gone(pids, 10)
+
+
+STACKS_CELL = '''%%ddp --cpus 2 --background
+import os, time
+import torch.distributed as dist
+print("PID", os.getpid(), flush=True)
+if rank == 0:
+    time.sleep(600)
+dist.all_reduce(torch.ones(1))
+'''
+
+
+@pytest.mark.kernel
+def test_stacks_show_where_each_rank_is_while_one_waits_in_all_reduce(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        kc.execute_interactive(STACKS_CELL, timeout=60)
+        number = int(re.search(r"\d+", _output(kc, "print(len(In) - 2)")).group())
+        time.sleep(5)  # both ranks inside the cell
+        told = _output(kc, "%ddp_stacks")
+        assert re.search(rf"rank 0: Cell In\[{number}\] line 6\n", told), told  # time.sleep: C code, Python's line
+        assert re.search(rf"rank 1: all_reduce ← Cell In\[{number}\] line 7", told), told
+        same = _output(kc, f"print(Out[{number}].stacks())")
+        assert f"rank 1: all_reduce ← Cell In[{number}] line 7" in same
+        _output(kc, f"Out[{number}].stop(now=True)")
+
+
+@pytest.mark.kernel
+def test_sigusr2_to_the_kernel_shows_the_stacks_of_a_hung_foreground_cell_without_stopping_it(no_leftovers):
+    import os
+    import signal
+
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, STACKS_CELL.replace(" --background", ""))
+        time.sleep(2)
+        os.kill(km.provisioner.process.pid, signal.SIGUSR2)
+        told = ""
+        deadline = time.monotonic() + 30
+        while "rank 1:" not in told and time.monotonic() < deadline:
+            msg = kc.get_iopub_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                told += msg["content"]["text"]
+        assert re.search(r"where each rank is \(job #\d+\):\nrank 0: Cell In\[\d+\] line 6\n"
+                         r"rank 1: all_reduce ← Cell In\[\d+\] line 7", told), told
+        assert all(psutil_alive(p) for p in pids)  # the job goes on
+        _interrupt_and_collect(km, kc, msg_id)
+        assert gone(pids, 5)
+
+
+def psutil_alive(pid):
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def _skips_the_collective():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_timeout_shows_where_the_ranks_that_did_not_time_out_were(no_leftovers):
+    with pytest.raises(ddp_notebook.RankError) as info:
+        ddp_notebook.launch(_skips_the_collective, cpus=2, timeout=3)
+    assert re.search(r"where the other ranks were:\nrank 0: _skips_the_collective \(test_stopping.py:\d+\)",
+                     str(info.value)), str(info.value)

@@ -8,6 +8,7 @@ nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -24,6 +25,7 @@ from ..wire import payload, protocol
 from ..wire.errors import Failure, JobStopped, RankError, blame
 from .backend import RankBackend
 from .local import LocalRanks
+from . import stacks
 from .output import OutputRelay
 from .spec import JobSpec
 
@@ -361,6 +363,9 @@ class Job(EventSource):
                    f"({self.spec.timeout} s)"
             if finished:
                 note += f"; rank(s) {', '.join(map(str, finished))} finished the cell without joining it"
+            waiting = [r for r in self.targets if r not in self._results and r not in self._failures]
+            if waiting:
+                note += f"\nwhere the other ranks were:\n{stacks.collect(self.group, waiting)}"
             elif len(timed_out) < len(self.targets):
                 stuck_elsewhere = sorted(set(self.targets) - set(timed_out))
                 note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
@@ -391,11 +396,26 @@ class Job(EventSource):
             if self._thread.is_alive():
                 raise TimeoutError(f"job #{self.task_id} is still running after {timeout} s")
         else:
-            self._run()
+            with self._stacks_on_sigusr2():
+                self._run()
         kind, value = self._outcome
         if kind == "error":
             raise value
         return value
+
+    @contextlib.contextmanager
+    def _stacks_on_sigusr2(self):
+        """While a foreground job runs, ``kill -USR2 <kernel pid>`` prints every rank's stack into the cell
+        (the kernel is busy: no magic can ask); the job goes on."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGUSR2, lambda signum, frame: print(
+            f"ddp_notebook: where each rank is (job #{self.task_id}):\n{self.stacks()}", file=sys.stderr))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGUSR2, previous)
 
     def _run(self) -> None:
         try:
@@ -443,9 +463,16 @@ class Job(EventSource):
             self.group.send(rank, (protocol.STOP, {"task": self.task_id}))
 
     def _on_grace_expired(self) -> None:
-        """Hook: what to show when a graceful stop found no boundary in time."""
-        print(f"ddp_notebook: no batch boundary within {self.stop_grace:g} s of the stop; stopping hard",
-              file=sys.stderr)
+        """A graceful stop found no boundary in time: say so, and where each rank was."""
+        print(f"ddp_notebook: no batch boundary within {self.stop_grace:g} s of the stop; stopping hard. "
+              f"Where each rank was:\n{self.stacks()}", file=sys.stderr)
+
+    def stacks(self) -> "stacks.RankStacks":
+        """Every rank's Python stack now, grouped by identical stacks ("ranks 0, 2: all_reduce ← Cell In[5]
+        line 12"); works while a rank is blocked in a collective or in C code.  ``frames[rank]`` has the frames."""
+        if self.group is None:
+            raise RuntimeError(f"job #{self.task_id} has no ranks (not started)")
+        return stacks.collect(self.group, list(self.targets))
 
     def run_in_background(self) -> "Job":
         _background_jobs.append(weakref.ref(self))

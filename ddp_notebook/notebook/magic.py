@@ -332,6 +332,23 @@ class DDPMagics(Magics):
         print("warm pool stopped")
 
     @line_magic
+    def ddp_stacks(self, line: str):
+        """Show where every rank of a running job is (its Python stack, ranks with the same stack together):
+        ``%ddp_stacks`` for the latest running background job or the warm pool's, ``%ddp_stacks 3`` for job #3."""
+        running = [job for job in engine_job.background_jobs() if job.status == "running"]
+        warm = pool_module.current()
+        if warm is not None and warm.busy is not None and warm.busy not in running:
+            running.append(warm.busy)
+        if line.strip():
+            running = [job for job in running if str(job.task_id) == line.strip().lstrip("#")]
+        if not running:
+            print("no running background or warm-pool job" + (f" #{line.strip()}" if line.strip() else "")
+                  + " (a hung foreground cell: kill -USR2 <the kernel's pid>, see docs/long-runs.md)")
+            return
+        job = running[-1]
+        print(f"job #{job.task_id}:\n{job.stacks()}")
+
+    @line_magic
     def ddp_jobs(self, line: str):
         """List this kernel's background jobs (``%%ddp --background``, ``launch(..., background=True)``)."""
         jobs = engine_job.background_jobs()

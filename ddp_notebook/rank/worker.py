@@ -218,6 +218,9 @@ def main() -> None:
     if parent != boot["parent_pid"]:
         _die_with_group()
     threading.Thread(target=_watch_parent, args=(parent,), name="ddp-parent-watch", daemon=True).start()
+    if _job_dir:  # job.stacks(): every thread's Python stack on SIGUSR1, even while blocked in C code
+        stacks = open(protocol.stacks_path(_job_dir, boot["rank"]), "a")
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))
     sender = channel.Sender(conn)

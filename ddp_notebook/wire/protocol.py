@@ -49,6 +49,11 @@ FILE_END = "end"  # {ok}: the node's last record
 RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
 
 
+def stacks_path(job_dir: str, rank: int) -> str:
+    """Where a rank's faulthandler writes its Python stacks on SIGUSR1 (``job.stacks()``)."""
+    return os.path.join(job_dir, f"stacks-rank{rank}.txt")
+
+
 def metrics_path(run_dir: str, node: int) -> str:
     """The metrics file of node ``node`` of an exported run."""
     return os.path.join(run_dir, f"{METRICS_PREFIX}{node}{METRICS_SUFFIX}")

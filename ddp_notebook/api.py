@@ -14,7 +14,7 @@ from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay
-from .engine.spec import JobSpec, check_options, resolve_devices
+from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
 from .wire import payload
 
 
@@ -22,7 +22,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
            port: int | None = None, seed: int | None = None, backend: str | None = None,
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
            nnodes: int = 1, master_addr: str | None = None, export: str | None = None,
-           max_restarts: int = 0) -> Any:
+           max_restarts: int = 0, log_dir: str | None = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -36,7 +36,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     other hosts run with torchrun (the command is printed).
 
     ``max_restarts=N``: when a rank fails, every rank is stopped and ``fn`` runs again on fresh ranks, up to N
-    times (``ddp_notebook.attempt()`` and ``ddp_notebook.resume()`` in the ranks).
+    times (``ddp_notebook.attempt()`` and ``ddp_notebook.resume()`` in the ranks).  ``log_dir``: every rank's
+    complete output also goes to ``log_dir/rank<N>.log`` (``job.logs(rank)`` keeps the newest 16 MB in memory).
     """
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
@@ -45,7 +46,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
                 master_addr=master_addr, export=export)
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
     job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
-                                max_restarts=max_restarts))
+                                max_restarts=max_restarts, log_dir=log_dir))
     return job.run_in_background() if background else job.result()
 
 
@@ -115,12 +116,13 @@ class SpawnContext:
 
 def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
                 relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False,
-                max_restarts: int = 0) -> Job:
+                max_restarts: int = 0, log_dir: str | None = None) -> Job:
     """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.
 
     ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
     arrays (copied) rather than the notebook's own pages (moved, which only a waiting notebook allows).
     """
+    log_dir = prepare_log_dir(log_dir)
     warm = pool.current() if on_pool else None
     # several hosts: exported when the job starts
     data = task if spec.nnodes > 1 else payload.dumps(task, snapshot=background)
@@ -134,6 +136,7 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
         payload.release(data)
         raise
     job.callbacks = list(callbacks)
+    job.relay.log_dir = log_dir
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
     return job

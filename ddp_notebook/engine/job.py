@@ -190,6 +190,11 @@ class Job(EventSource):
         a foreground run was interrupted)."""
         return self._outcome[1] if self._outcome is not None and self._outcome[0] == "error" else None
 
+    def logs(self, rank: int) -> str:
+        """Rank ``rank``'s complete output so far (stdout and stderr, its newest 16 MB), including the lines the
+        cell elided or did not show (``--output 0``)."""
+        return self.relay.log(rank)
+
     @property
     def stopped_text(self) -> str | None:
         """"stopped at epoch 4, batch 17" (or "at step 17") after a graceful stop, else None."""
@@ -552,6 +557,7 @@ class Job(EventSource):
             self.ended_at = time.time()
             log.debug("job #%s ended: %s", self.task_id, self.status)
             self.relay.flush(final=True)
+            self.relay.close_logs()
             self.emit(protocol.ENDED, -1, {"ok": self._outcome[0] == "ok"})
             for callback in self.on_done:
                 callback(self)

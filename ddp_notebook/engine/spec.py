@@ -6,6 +6,7 @@ device choice, option checks and binding the master port.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -141,6 +142,20 @@ def check_options(port: Any = None, seed: Any = None, timeout: Any = None, start
     for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def prepare_log_dir(log_dir: Any) -> str | None:
+    """``--log-dir``: made if missing; refused before anything starts if it cannot be written."""
+    if log_dir is None:
+        return None
+    path = os.path.abspath(os.fspath(log_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"--log-dir {log_dir}: cannot make it: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise LaunchError(f"--log-dir {log_dir}: not writable")
+    return path
 
 
 def bind_port(addr: str, port: int | None) -> socket.socket:

@@ -171,6 +171,9 @@ class DDPMagics(Magics):
     @argument("--grace", type=float, default=10.0, metavar="SECONDS",
               help="after the first interrupt (or Stop), how long the ranks may take to reach a batch boundary "
                    "and stop gracefully before they are stopped hard")
+    @argument("--log-dir", default=None, metavar="DIR",
+              help="also write every rank's complete output to DIR/rank<N>.log (job.logs(rank) keeps the newest "
+                   "16 MB in memory)")
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
@@ -250,7 +253,7 @@ class DDPMagics(Magics):
             relay = background_relay(output_ranks) if args.background else None
             job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
                                        relay=relay, targets=targets, background=args.background,
-                                       max_restarts=args.max_restarts)
+                                       max_restarts=args.max_restarts, log_dir=args.log_dir)
             job.stop_grace = args.grace
         except LaunchError as exc:
             raise UsageError(str(exc)) from None

@@ -368,12 +368,12 @@ class Job(EventSource):
                    f"({self.spec.timeout} s)"
             if finished:
                 note += f"; rank(s) {', '.join(map(str, finished))} finished the cell without joining it"
-            waiting = [r for r in self.targets if r not in self._results and r not in self._failures]
-            if waiting:
-                note += f"\nwhere the other ranks were:\n{stacks.collect(self.group, waiting)}"
             elif len(timed_out) < len(self.targets):
                 stuck_elsewhere = sorted(set(self.targets) - set(timed_out))
                 note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
+            waiting = [r for r in self.targets if r not in self._results and r not in self._failures]
+            if waiting:
+                note += f"\nwhere the other ranks were:\n{stacks.collect(self.group, waiting)}"
         others = [f.rank for f in failures if f.rank != cause.rank]
         if len(failures) == len(self.targets) > 1 and len({f.headline() for f in failures}) == 1:
             note = "(every rank failed the same way)"

@@ -215,8 +215,11 @@ def test_stacks_show_where_each_rank_is_while_one_waits_in_all_reduce(no_leftove
     with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
         kc.execute_interactive(STACKS_CELL, timeout=60)
         number = int(re.search(r"\d+", _output(kc, "print(len(In) - 2)")).group())
-        time.sleep(5)  # both ranks inside the cell
-        told = _output(kc, "%ddp_stacks")
+        deadline = time.monotonic() + 90
+        told = ""
+        while time.monotonic() < deadline and told.count("Cell In[") < 2:  # until both ranks are in the cell
+            time.sleep(0.5)
+            told = _output(kc, "%ddp_stacks")
         assert re.search(rf"rank 0: Cell In\[{number}\] line 6\n", told), told  # time.sleep: C code, Python's line
         assert re.search(rf"rank 1: all_reduce ← Cell In\[{number}\] line 7", told), told
         same = _output(kc, f"print(Out[{number}].stacks())")
@@ -231,7 +234,7 @@ def test_sigusr2_to_the_kernel_shows_the_stacks_of_a_hung_foreground_cell_withou
 
     with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
         msg_id, pids = run_until_pids(kc, STACKS_CELL.replace(" --background", ""))
-        time.sleep(2)
+        time.sleep(2)  # rank 0 printed its PID from the cell: it sleeps there; rank 1 is in all_reduce or about to be
         os.kill(km.provisioner.process.pid, signal.SIGUSR2)
         told = ""
         deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay
-from .engine.spec import JobSpec, check_options, resolve_devices
+from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
 from .wire import payload
 from .wire.errors import LaunchError
 
@@ -23,7 +23,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
            port: int | None = None, seed: int | None = None, backend: str | None = None,
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
            nnodes: int = 1, master_addr: str | None = None, export: str | None = None, executor: Any = None,
-           detach: bool = False) -> Any:
+           detach: bool = False, max_restarts: int = 0, log_dir: str | None = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -40,8 +40,12 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     Slurm job with its parameters (nodes × tasks per node ranks).  With
     ``detach=True`` the job is left to run on its own and its handle returned
     at once; ``ddp_notebook.follow(handle.folder)`` shows it from any kernel.
+
+    ``max_restarts=N``: when a rank fails, every rank is stopped and ``fn`` runs again on fresh ranks, up to N
+    times (``ddp_notebook.attempt()`` and ``ddp_notebook.resume()`` in the ranks).  ``log_dir``: every rank's
+    complete output also goes to ``log_dir/rank<N>.log`` (``job.logs(rank)`` keeps the newest 16 MB in memory).
     """
-    check_options(port, seed, timeout)
+    check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
     if detach and executor is None:
         raise LaunchError("detach=True leaves a Slurm job running on its own: it goes with executor=")
@@ -51,7 +55,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
     if detach:
         return submit_detached(spec, task)
-    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background))
+    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
+                                max_restarts=max_restarts, log_dir=log_dir))
     return job.run_in_background() if background else job.result()
 
 
@@ -129,26 +134,29 @@ class SpawnContext:
 
 
 def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
-                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False) -> Job:
+                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False,
+                max_restarts: int = 0, log_dir: str | None = None) -> Job:
     """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.
 
     ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
     arrays (copied) rather than the notebook's own pages (moved, which only a waiting notebook allows).
     """
+    log_dir = prepare_log_dir(log_dir)
     warm = pool.current() if on_pool else None
     # several hosts, or a Slurm job: exported when the job starts
     data = task if spec.nnodes > 1 or spec.executor is not None else payload.dumps(task, snapshot=background)
     try:
         if warm is not None:
-            job = warm.job(data, spec, targets, relay)
+            job = warm.job(data, spec, targets, relay, max_restarts=max_restarts)
         else:  # fresh ranks: of this host, of this host as node 0 of several hosts, or of a Slurm job
             backend = slurm.SlurmRanks if spec.executor is not None else \
                 multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks
-            job = Job(spec, data, relay=relay, backend=backend)
+            job = Job(spec, data, relay=relay, backend=backend, max_restarts=max_restarts)
     except BaseException:
         payload.release(data)
         raise
     job.callbacks = list(callbacks)
+    job.relay.log_dir = log_dir
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
     return job

@@ -122,7 +122,7 @@ class RankBackend(abc.ABC):
         if code is None:
             return f"rank {rank} lost its connection to the notebook (it, its torchrun agent or its host ended) " \
                    f"without reporting an error"
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
         if code in (-signal.SIGABRT, 134):
             how += " (abort or crash)"
         elif code == -signal.SIGSEGV:
@@ -130,7 +130,8 @@ class RankBackend(abc.ABC):
         return f"rank {rank} {how} without reporting an error"
 
 
-def _signal_name(code: int) -> str:
+def signal_name(code: int) -> str:
+    """SIGKILL for -9: the name of the signal a negative exit code stands for."""
     try:
         return signal.Signals(-code).name
     except ValueError:

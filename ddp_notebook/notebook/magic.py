@@ -165,6 +165,15 @@ class DDPMagics(Magics):
               help="seed python, numpy and torch identically on every rank before the cell runs")
     @argument("--timeout", type=float, default=None, metavar="SECONDS",
               help="bound for each collective (passed to init_process_group)")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="when a rank fails, stop every rank and run the cell again on fresh ranks, up to N times "
+                   "(ddp_notebook.attempt(), ddp_notebook.resume())")
+    @argument("--grace", type=float, default=10.0, metavar="SECONDS",
+              help="after the first interrupt (or Stop), how long the ranks may take to reach a batch boundary "
+                   "and stop gracefully before they are stopped hard")
+    @argument("--log-dir", default=None, metavar="DIR",
+              help="also write every rank's complete output to DIR/rank<N>.log (job.logs(rank) keeps the newest "
+                   "16 MB in memory)")
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
@@ -217,7 +226,10 @@ class DDPMagics(Magics):
         executor = _executor(shell, args.executor)
         warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only, executor)
         try:
-            job_spec.check_options(args.port, args.seed, args.timeout)
+            job_spec.check_options(args.port, args.seed, args.timeout, max_restarts=args.max_restarts,
+                                   nnodes=args.nnodes)
+            if not args.grace > 0:
+                raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
@@ -234,7 +246,7 @@ class DDPMagics(Magics):
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
                 timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 export=args.export, output_ranks=output_ranks, executor=executor)
-            if warm is not None:
+            if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
             sources = payload.notebook_sources()
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
@@ -249,7 +261,9 @@ class DDPMagics(Magics):
                 return api.submit_detached(spec, task)
             relay = background_relay(output_ranks) if args.background else None
             job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
-                                       relay=relay, targets=targets, background=args.background)
+                                       relay=relay, targets=targets, background=args.background,
+                                       max_restarts=args.max_restarts, log_dir=args.log_dir)
+            job.stop_grace = args.grace
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
@@ -270,6 +284,8 @@ class DDPMagics(Magics):
             results = job.result()
         finally:
             settle(job)
+        if job.stopped_text:
+            print(f"ddp_notebook: {job.stopped_text}", file=sys.stderr)
         if returns:
             _take_returns(shell, results[0])
 
@@ -326,6 +342,23 @@ class DDPMagics(Magics):
             return
         warm.stop()
         print("warm pool stopped")
+
+    @line_magic
+    def ddp_stacks(self, line: str):
+        """Show where every rank of a running job is (its Python stack, ranks with the same stack together):
+        ``%ddp_stacks`` for the latest running background job or the warm pool's, ``%ddp_stacks 3`` for job #3."""
+        running = [job for job in engine_job.background_jobs() if job.status == "running"]
+        warm = pool_module.current()
+        if warm is not None and warm.busy is not None and warm.busy not in running:
+            running.append(warm.busy)
+        if line.strip():
+            running = [job for job in running if str(job.task_id) == line.strip().lstrip("#")]
+        if not running:
+            print("no running background or warm-pool job" + (f" #{line.strip()}" if line.strip() else "")
+                  + " (a hung foreground cell: kill -USR2 <the kernel's pid>, see docs/long-runs.md)")
+            return
+        job = running[-1]
+        print(f"job #{job.task_id}:\n{job.stacks()}")
 
     @line_magic
     def ddp_jobs(self, line: str):
@@ -471,12 +504,15 @@ def background_relay(output_ranks: set[int] | None = None):
 def _start_in_background(shell, job, returns: list[str], relay, settle):
     def finished(job):
         settle(job)
-        if job.status == "done" and returns:
+        if job.results is not None and returns:
             result = job.results[0]
             shell.user_ns.update(result.values)
             missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
-            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} done: {', '.join(result.values)} "
+            how = job.stopped_text or "done"
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
                                      f"copied into the notebook{missing}\n")
+        elif job.stopped_text:
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
         elif job.status == "failed":
             relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":

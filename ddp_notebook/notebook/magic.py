@@ -385,21 +385,25 @@ class DDPMagics(Magics):
         return picker.gpu_picker()
 
 
-def _executor(shell, name: str | None):
-    """The notebook's submitit executor that ``--executor NAME`` names."""
-    if name is None:
-        return None
+def _notebook_value(shell, flag: str, name: str, hint: str = ""):
+    """The notebook's object that a flag names, dotted attributes included (``--callback log.append``)."""
     head, *attributes = name.split(".")
     if head not in shell.user_ns:
-        raise UsageError(f"--executor {name}: no such name in the notebook (make one with "
-                         f"ex = submitit.AutoExecutor(folder=...))")
+        raise UsageError(f"{flag} {name}: no such name in the notebook{hint}")
     value = shell.user_ns[head]
     try:
         for attribute in attributes:
             value = getattr(value, attribute)
     except AttributeError as exc:
-        raise UsageError(f"--executor {name}: {exc}") from None
+        raise UsageError(f"{flag} {name}: {exc}") from None
     return value
+
+
+def _executor(shell, name: str | None):
+    """The notebook's submitit executor that ``--executor NAME`` names."""
+    if name is None:
+        return None
+    return _notebook_value(shell, "--executor", name, " (make one with ex = submitit.AutoExecutor(folder=...))")
 
 
 def _check_node_flags(args, export_only: bool) -> None:
@@ -559,18 +563,13 @@ def _metric_callbacks(shell, args) -> list:
 
     found = []
     for name in args.callbacks:
-        head, *attributes = name.split(".")
-        if head not in shell.user_ns:
-            if name == "wandb":
-                found.append(callbacks.WandB())
-                continue
-            raise UsageError(f"--callback {name}: no such name in the notebook")
-        value = shell.user_ns[head]
+        if name == "wandb" and name not in shell.user_ns:
+            found.append(callbacks.WandB())
+            continue
+        value = _notebook_value(shell, "--callback", name)
         try:
-            for attribute in attributes:  # --callback log.append
-                value = getattr(value, attribute)
             found.append(callbacks.resolve(value))
-        except (AttributeError, TypeError) as exc:
+        except TypeError as exc:
             raise UsageError(f"--callback {name}: {exc}") from None
     if args.tensorboard:
         found.append(callbacks.TensorBoard(args.tensorboard))

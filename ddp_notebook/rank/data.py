@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from . import context, metrics, timing
+from . import context, metrics, stopping, timing
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -92,19 +92,25 @@ class DistributedLoader(DataLoader):
         self.sampler.set_epoch(self._next_epoch)
 
     def __iter__(self):
+        stopping.check_not_stopped()  # iterated again after a graceful stop: the cell ends here
         self.sampler.set_epoch(self._next_epoch)
         self._next_epoch += 1
         batches = super().__iter__()
         progress = _progress_reporter() if self.report_progress else None
         ctx = context.current()
-        if progress is None and (ctx is None or ctx.sender is None):
+        watched = ctx is not None and ctx.sender is not None
+        stoppable = watched and not isinstance(self.sampler, ExactDistributedSampler)
+        if progress is None and not watched:
             return batches
-        return self._timed(batches, progress)
+        return self._watching(batches, progress, stoppable)
 
-    def _timed(self, batches, progress):
-        """The batches, reporting progress and timing each step (rank/timing.py)."""
+    def _watching(self, batches, progress, stoppable: bool):
+        """Report progress, time each step (rank/timing.py), and end the epoch early at the batch every rank
+        agreed to stop at."""
         total = len(self)
         done = 0
+        if stoppable:
+            stopping.announce()
         if progress is not None:
             progress(done, total)
         timing.watch_ddp()
@@ -117,6 +123,8 @@ class DistributedLoader(DataLoader):
             except StopIteration:
                 return
             data_s = time.perf_counter() - wait_started
+            if stoppable and stopping.at_boundary({"epoch": self.epoch, "batch": done}):
+                return
             yield batch
             now = time.perf_counter()
             if done:  # the first step also pays for starting the epoch's workers: not a step

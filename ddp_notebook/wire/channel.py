@@ -101,9 +101,21 @@ class ChannelServer:
             conn.close()
 
 
-def connect(address: tuple[str, int], key: bytes) -> Connection:
-    """Rank side: connect to the notebook's channel."""
-    return Client(tuple(address), family="AF_INET", authkey=key)
+def connect(address: tuple[str, int], key: bytes, timeout: float | None = None) -> Connection:
+    """Rank side: connect to the notebook's channel (giving up after ``timeout`` seconds when it is given: a
+    firewall may drop the attempt without an answer)."""
+    if timeout is None:
+        return Client(tuple(address), family="AF_INET", authkey=key)
+    sock = socket.create_connection(tuple(address), timeout=timeout)
+    sock.setblocking(True)  # Connection reads and writes the bare descriptor
+    conn = Connection(sock.detach())
+    try:
+        answer_challenge(conn, key)  # as Client does
+        deliver_challenge(conn, key)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 class Sender:
@@ -139,3 +151,9 @@ class Sender:
 
     def flush(self) -> None:
         self._queue.join()
+
+    def close(self) -> None:
+        """Send what is queued, end the sending thread and close the connection."""
+        self._queue.put(None)
+        self._thread.join()
+        self._conn.close()

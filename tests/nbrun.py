@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import subprocess
+import sys
 import time
 
 import nbformat
@@ -20,11 +23,42 @@ def run_cells(cells: list[str], timeout: int = 120, cwd: str | None = None, allo
     return nb, client
 
 
+# The kernels the tests of where output lands run on: ipykernel 7 (this environment's) and 6, which routes output
+# from threads to cells differently.  ipykernel 6 is pip-installed once into a folder put first on the kernel's
+# PYTHONPATH; everything else is this environment's.
+IPYKERNEL_6 = "ipykernel>=6.29,<7"
+IPYKERNEL_VERSIONS = [7, 6]
+
+
+def ipykernel6_path() -> str:
+    """A folder holding ipykernel 6 (installed there on first use); skips (fails under CI=true) without pip."""
+    import pytest
+
+    folder = os.path.join(os.path.expanduser("~"), ".cache", "ddp_notebook-tests", "ipykernel6")
+    if not os.path.exists(os.path.join(folder, "ipykernel", "__init__.py")):
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", folder, "--no-deps",
+                               IPYKERNEL_6, "nest_asyncio"], capture_output=True, text=True)
+        if done.returncode != 0:
+            why = f"cannot install {IPYKERNEL_6} for the ipykernel 6 runs: {done.stderr.strip()[-500:]}"
+            if os.environ.get("CI") == "true":
+                pytest.fail(why)
+            pytest.skip(why)
+    return folder
+
+
 @contextlib.contextmanager
-def kernel(setup: str = "%load_ext ddp_notebook"):
-    """A fresh python3 kernel, ``setup`` run in it; yields (manager, client) and shuts it down afterwards."""
-    km, kc = start_new_kernel(kernel_name="python3")
+def kernel(setup: str = "%load_ext ddp_notebook", ipykernel: int = 7):
+    """A fresh python3 kernel, ``setup`` run in it; yields (manager, client) and shuts it down afterwards.
+    ``ipykernel=6`` runs it on ipykernel 6 instead of this environment's 7."""
+    env = None
+    if ipykernel == 6:
+        path = [ipykernel6_path()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    km, kc = start_new_kernel(kernel_name="python3", **({"env": env} if env else {}))
     try:
+        got = kc.execute_interactive("import ipykernel; assert ipykernel.version_info[0] == %d, ipykernel.__version__"
+                                     % ipykernel, timeout=60, output_hook=lambda msg: None, store_history=False)
+        assert got["content"]["status"] == "ok", got["content"]
         if setup:
             kc.execute_interactive(setup, timeout=60)
         yield km, kc

@@ -446,7 +446,8 @@ class DisplayView:
             elif total:
                 lines.append(_text_bar(min(done / total, 1.0), f"{done}/{total} {TOTAL_KEYS[key]}"))
             if self.stop_hint:
-                lines.append(f"stop it: {self.stop_hint}")
+                button = "the Stop button, or " if self.stop_button is not None else ""
+                lines.append(f"stop it: {button}{self.stop_hint}")
         ranks = getattr(watcher.job, "ranks", None)
         if ranks:
             with watcher.lock:
@@ -713,5 +714,5 @@ def attach(job) -> None:
         return
     watcher._view_chosen = True
     # The magic returns the job as the cell's value: Out[n], also known as _n.
-    hint = f"the Stop button, or _{shell.displayhook.prompt_count}.stop()"
+    hint = f"_{shell.displayhook.prompt_count}.stop()"
     watcher.add_view(DisplayView(watcher, stop=lambda: job.stop(by="the dashboard's Stop button"), stop_hint=hint))

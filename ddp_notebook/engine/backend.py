@@ -24,7 +24,7 @@ from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
-from ..wire.channel import ChannelServer
+from ..wire.channel import ChannelServer, whole_message
 from .output import OutputRelay
 
 log = logging.getLogger("ddp_notebook")
@@ -184,7 +184,8 @@ class ChannelRanks(RankBackend):
         for conn, r in self.connections.items():
             if r == rank:
                 try:
-                    conn.send(message)
+                    with whole_message():
+                        conn.send(message)
                 except OSError:
                     pass  # its exit tells the rest
                 return
@@ -255,12 +256,14 @@ class ChannelRanks(RankBackend):
         """Hand on the messages waiting on one connection."""
         try:
             while conn.poll():
-                kind, body = conn.recv()
+                with whole_message():
+                    kind, body = conn.recv()
                 rank = self.connections.get(conn, -1)
                 if kind == protocol.HELLO:
                     rank = self.connections[conn] = int(body["rank"])
                     for message in self._queued.pop(rank, []):
-                        conn.send(message)
+                        with whole_message():
+                            conn.send(message)
                 elif rank < 0:
                     continue  # nothing counts before a rank has said who it is
                 elif kind == protocol.READY:

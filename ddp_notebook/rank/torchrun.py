@@ -162,7 +162,7 @@ def _load_task(ctx: context.RankContext, run: dict, here: str):
 
 
 def _loaded(here: str, rank: int, world_size: int) -> None:
-    """This rank has its task: the last rank to say so removes the export (its arrays stay mapped where used).
+    """This rank is done with the export: the last rank to say so removes it (its arrays stay mapped where used).
 
     Markers rather than a collective: a rank that fails to load must not leave the others waiting.
     """
@@ -222,7 +222,7 @@ def _notebook_gone(ctx: context.RankContext, notebook: dict, here: str) -> bool:
     when = "is gone" if age == float("inf") else f"stopped answering {age:.0f} s ago"
     print(f"ddp_notebook: rank {ctx.rank}: the notebook that submitted this job {when} (its kernel ended while the "
           f"job was queued?): the cell is not run", file=sys.stderr, flush=True)
-    shutil.rmtree(here, ignore_errors=True)  # nobody is left to remove the export
+    _loaded(here, ctx.rank, ctx.world_size)  # nobody else is left to remove the export; other ranks may still read it
     return True
 
 

@@ -1,15 +1,22 @@
-"""Drive notebooks in a real browser: JupyterLab + Debian's Chromium through Playwright.
+"""Drive notebooks in a real browser: JupyterLab 4 or Notebook 7 + Debian's Chromium through Playwright.
 
     require_browser()                      # skip (or, under CI=true, fail) when something is missing
-    with JupyterLab(root) as lab, Browser(profile_dir) as page:
-        open_notebook(page, lab, "quickstart.ipynb")
+    with JupyterServer(root, "notebook7") as server, Browser(profile_dir) as page:   # or "lab"
+        open_notebook(page, server, "quickstart.ipynb")
         run_all_cells(page)
         wait_idle(page)
-        screenshot(page, "quickstart.png")   # -> artifacts/quickstart.png
+        screenshot(page, "quickstart-notebook7.png")   # -> artifacts/quickstart-notebook7.png
+
+Tests run once per front end in ``FRONTENDS``.  Both are the same JupyterLab
+components (the DOM classes, the Run menu and its commands are shared); they differ
+in the server app (``python -m jupyterlab`` / ``python -m notebook``), its settings
+(``--LabApp.*`` / ``--JupyterNotebookApp.*``) and the notebook's URL (``lab/tree/``
+/ ``notebooks/``).  Notebook 7 has no status bar, so ``wait_idle`` asks the page's
+own kernel connection (the server exposes the app as ``window.jupyterapp``).
 
 Facts behind the details are in ../shared/notes/browser-testing.md: Chromium
 stalls without the flags below and a fresh profile; Playwright's ``launch()``
-refuses ``--user-data-dir``; JupyterLab needs ``--allow-root`` as root, its own
+refuses ``--user-data-dir``; the server needs ``--allow-root`` as root, its own
 config (the news toast covers the page otherwise) and its own session, so the
 server and its kernels stop together.
 """
@@ -35,8 +42,14 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]
 HOW_TO_ENABLE = ("to run the browser tests: apt-get install chromium (Debian's, at /usr/lib/chromium/chromium, "
-                 "or set DDP_NOTEBOOK_CHROMIUM) and pip install jupyterlab ipywidgets playwright "
+                 "or set DDP_NOTEBOOK_CHROMIUM) and pip install jupyterlab notebook ipywidgets playwright "
                  "(never `playwright install`)")
+
+# The front ends the browser tests run in: name -> (server module, its app's settings class, notebook URL prefix).
+FRONTENDS = {
+    "lab": ("jupyterlab", "LabApp", "lab/tree/"),           # JupyterLab 4
+    "notebook7": ("notebook", "JupyterNotebookApp", "notebooks/"),  # Notebook 7
+}
 
 
 def missing() -> str | None:
@@ -44,7 +57,7 @@ def missing() -> str | None:
     if not os.path.exists(CHROMIUM):
         return f"Chromium not found at {CHROMIUM}"
     for module, package in (("playwright.sync_api", "playwright"), ("jupyterlab", "jupyterlab"),
-                            ("jupyterlab_widgets", "ipywidgets")):
+                            ("notebook.app", "notebook>=7"), ("jupyterlab_widgets", "ipywidgets")):
         try:
             __import__(module)
         except ImportError:
@@ -68,28 +81,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class JupyterLab:
-    """A JupyterLab server serving ``root``, with its own config, token and port; ``stop()`` ends it and
-    its kernels (its own session)."""
+class JupyterServer:
+    """A Jupyter server with one front end (``frontend``: a key of ``FRONTENDS``) serving ``root``, with its own
+    config, token and port; ``stop()`` ends it and its kernels (its own session)."""
 
-    def __init__(self, root: str, start_timeout: float = 60.0, env: dict | None = None):
+    def __init__(self, root: str, frontend: str = "lab", start_timeout: float = 60.0, env: dict | None = None):
+        module, app, self.notebook_prefix = FRONTENDS[frontend]
+        self.frontend = frontend
         self.root = root
         self.port = free_port()
         self.token = os.urandom(12).hex()
         state = os.path.join(root, ".jupyter-test")
         config = os.path.join(state, "config")
         os.makedirs(os.path.join(config, "labconfig"), exist_ok=True)
-        with open(os.path.join(config, "labconfig", "page_config.json"), "w") as f:
+        with open(os.path.join(config, "labconfig", "page_config.json"), "w") as f:  # read by both front ends
             json.dump({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}, f)
         server_env = dict(os.environ, JUPYTER_CONFIG_DIR=config, JUPYTER_RUNTIME_DIR=os.path.join(state, "runtime"))
         server_env.update(env or {})
-        self._log = open(os.path.join(state, "lab.log"), "wb")
+        self._log = open(os.path.join(state, f"{frontend}.log"), "wb")
+        app_settings = [f"--{app}.user_settings_dir={os.path.join(state, 'settings')}",
+                        f"--{app}.workspaces_dir={os.path.join(state, 'workspaces')}",
+                        f"--{app}.expose_app_in_browser=True"]  # window.jupyterapp, for wait_idle
+        if frontend == "lab":
+            app_settings.append("--LabApp.news_url=None")  # Notebook 7 has no such setting
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ServerApp.ip=127.0.0.1",
+            [sys.executable, "-m", module, "--allow-root", "--no-browser", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-             f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-             f"--LabApp.user_settings_dir={os.path.join(state, 'settings')}",
-             f"--LabApp.workspaces_dir={os.path.join(state, 'workspaces')}"],
+             f"--ServerApp.root_dir={root}", *app_settings],
             cwd=root, env=server_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + start_timeout
         while True:
@@ -99,8 +117,12 @@ class JupyterLab:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"JupyterLab did not start:\n{self.output()}")
+                    raise RuntimeError(f"{module} ({frontend}) did not start:\n{self.output()}")
                 time.sleep(0.2)
+
+    def notebook_url(self, path: str) -> str:
+        """The URL that opens the notebook ``path`` (relative to the root) in this server's front end."""
+        return self.url(self.notebook_prefix + path)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}/{path}?token={self.token}"
@@ -124,7 +146,7 @@ class JupyterLab:
                     continue
         self._log.close()
 
-    def __enter__(self) -> "JupyterLab":
+    def __enter__(self) -> "JupyterServer":
         return self
 
     def __exit__(self, etype, value, tb) -> None:
@@ -177,19 +199,46 @@ def wait_for_text(locator, pattern: str, timeout: float = 30.0) -> str:
     raise AssertionError(f"{pattern!r} did not appear within {timeout:.0f} s; last text: {last!r}")
 
 
+# The state of the current notebook as its page sees it: its kernel connection (the one the status bar or Notebook 7's
+# kernel indicator shows) and how many code cells wait or run (prompt ``[*]``: set when a cell is sent to the kernel,
+# before the kernel says busy, and cleared when its reply arrives).
+NOTEBOOK_STATE = """() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const session = panel && panel.sessionContext;
+  const kernel = session && session.session && session.session.kernel;
+  const pending = [...document.querySelectorAll('.jp-Notebook .jp-Cell .jp-InputPrompt')]
+    .filter((prompt) => prompt.textContent.includes('*')).length;
+  return {ready: Boolean(session && session.isReady), kernel: kernel ? kernel.status : null,
+          connection: kernel ? kernel.connectionStatus : null, pending};
+}"""
+
+
 def wait_idle(page, timeout: float = 120.0) -> None:
-    """Wait for the kernel to be idle, by the status bar (the toolbar indicator says idle too early)."""
-    wait_for_text(page.locator("#jp-main-statusbar"), r"\| Idle", timeout)
+    """Wait until the page's kernel is connected and idle and no cell waits or runs (twice in a row, 0.2 s apart).
+
+    Counting cells with prompt ``[*]`` covers the moment after "run all" when the kernel still reports idle
+    because it has not yet said it is busy."""
+    deadline = time.monotonic() + timeout
+    state, idle_checks = None, 0
+    while time.monotonic() < deadline:
+        state = page.evaluate(NOTEBOOK_STATE)
+        idle = state == {"ready": True, "kernel": "idle", "connection": "connected", "pending": 0}
+        idle_checks = idle_checks + 1 if idle else 0
+        if idle_checks >= 2:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the notebook's kernel was not idle within {timeout:.0f} s; last state: {state}")
 
 
-def open_notebook(page, lab: JupyterLab, path: str, timeout: float = 60.0) -> None:
-    """Open ``path`` (relative to the lab's root) and wait for its kernel."""
-    page.goto(lab.url(f"lab/tree/{path}"))
+def open_notebook(page, server: JupyterServer, path: str, timeout: float = 60.0) -> None:
+    """Open ``path`` (relative to the server's root) in the server's front end and wait for its kernel."""
+    page.goto(server.notebook_url(path))
     page.wait_for_selector(".jp-Notebook .jp-Cell")
     wait_idle(page, timeout)
 
 
 def run_all_cells(page) -> None:
+    """Run > Run All Cells, from the menu bar (the same menu and command in both front ends)."""
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
 

@@ -1,10 +1,11 @@
-"""A background job's Stop button, clicked in a real browser (JupyterLab + Debian Chromium via Playwright)."""
+"""A background job's Stop button, clicked in a real browser (JupyterLab 4 and Notebook 7 + Debian Chromium via
+Playwright).  Screenshots: artifacts/background_stopped-{lab,notebook7}.png."""
 import re
 
 import nbformat
 import pytest
 
-from browser_support import Browser, JupyterLab, cells, open_notebook, require_browser, run_all_cells, screenshot, \
+from browser_support import FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, run_all_cells, screenshot, \
     wait_for_text, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
@@ -18,15 +19,16 @@ CELLS = [
 
 
 @pytest.mark.timeout(170)
-def test_the_stop_button_stops_a_background_job(tmp_path):
+@pytest.mark.parametrize("frontend", list(FRONTENDS))
+def test_the_stop_button_stops_a_background_job(tmp_path, frontend):
     require_browser()
-    root = tmp_path / "lab"
+    root = tmp_path / "root"
     root.mkdir()
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(root / "background.ipynb"))
-    with JupyterLab(str(root)) as lab, Browser(str(tmp_path / "profile")) as page:
-        open_notebook(page, lab, "background.ipynb")
+    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
+        open_notebook(page, server, "background.ipynb")
         run_all_cells(page)
         wait_for_text(cells(page).nth(2), r"meanwhile the kernel is free: running", 120)
         status = cells(page).nth(1).locator(".jp-RenderedText", has_text="ddp_notebook · ")
@@ -37,7 +39,7 @@ def test_the_stop_button_stops_a_background_job(tmp_path):
         assert button.is_visible()
         button.click()
         wait_for_text(status, r"stopped", 20)
-        screenshot(cells(page).nth(1), "background_stopped.png")
+        screenshot(cells(page).nth(1), f"background_stopped-{frontend}.png")
         wait_idle(page, 30)
         # The kernel sees it too: run one more cell that reads the job.
         cells(page).nth(2).click()

@@ -1,9 +1,10 @@
-"""The live metrics dashboard in a real browser (JupyterLab + Debian Chromium via Playwright).
+"""The live metrics dashboard in a real browser (JupyterLab 4 and Notebook 7 + Debian Chromium via Playwright).
 
 Runs notebooks/quickstart.ipynb (a copy) and checks, from the DOM, that the
 dashboard is rendered as plain outputs (a text status and a PNG, no widgets), that
 its figure changes at least 3 times while the training cell runs, and that the
-cell ends with the final figure, titled with the final status.  Screenshots go to artifacts/.  Skipped when the browser stack is
+cell ends with the final figure, titled with the final status.  Once per front end;
+screenshots go to artifacts/dashboard_{live,final}-{lab,notebook7}.png.  Skipped when the browser stack is
 missing, except under CI=true, where that fails (see browser_support.py).
 """
 import os
@@ -12,7 +13,7 @@ import shutil
 
 import pytest
 
-from browser_support import (ROOT, Browser, JupyterLab, open_notebook, require_browser, run_all_cells, screenshot,
+from browser_support import (FRONTENDS, ROOT, Browser, JupyterServer, open_notebook, require_browser, run_all_cells, screenshot,
                              wait_for_text, wait_idle)
 
 QUICKSTART = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
@@ -39,15 +40,16 @@ FIGURE_COUNTS = "() => Object.fromEntries(Object.entries(window.ddpFigures).map(
 @pytest.mark.slow
 @pytest.mark.kernel
 @pytest.mark.browser
-def test_quickstart_shows_a_live_dashboard_without_widgets(tmp_path):
+@pytest.mark.parametrize("frontend", list(FRONTENDS))
+def test_quickstart_shows_a_live_dashboard_without_widgets(tmp_path, frontend):
     require_browser()
     if not os.path.exists(QUICKSTART):
         pytest.fail(f"{QUICKSTART} is missing")
-    root = tmp_path / "lab"
+    root = tmp_path / "root"
     root.mkdir()
-    shutil.copy(QUICKSTART, root / "quickstart.ipynb")  # the lab autosaves what it runs
-    with JupyterLab(str(root)) as lab, Browser(str(tmp_path / "profile")) as page:
-        open_notebook(page, lab, "quickstart.ipynb")
+    shutil.copy(QUICKSTART, root / "quickstart.ipynb")  # the front end autosaves what it runs
+    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
+        open_notebook(page, server, "quickstart.ipynb")
         page.evaluate(COUNT_FIGURES)
         run_all_cells(page)
 
@@ -58,7 +60,7 @@ def test_quickstart_shows_a_live_dashboard_without_widgets(tmp_path):
         figure = training_cell.locator(".jp-RenderedImage img")
         figure.wait_for(timeout=60_000)
         assert training_cell.locator("[class*='widget-']").count() == 0  # no widget manager involved
-        screenshot(training_cell.locator(".jp-OutputArea"), "dashboard_live.png")
+        screenshot(training_cell.locator(".jp-OutputArea"), f"dashboard_live-{frontend}.png")
 
         wait_for_text(status, r"done · \d+ ranks · epoch 12/12", 120)
         assert figure.count() == 1  # updated in place: the outputs did not grow
@@ -69,7 +71,7 @@ def test_quickstart_shows_a_live_dashboard_without_widgets(tmp_path):
         assert re.search(r"\[rank 0\] trained for 12 epochs", training_cell.inner_text())  # prints stay visible
 
         wait_idle(page, 60)
-        path = screenshot(training_cell.locator(".jp-OutputArea"), "dashboard_final.png")
+        path = screenshot(training_cell.locator(".jp-OutputArea"), f"dashboard_final-{frontend}.png")
         assert os.path.getsize(path) > 10_000
 
 

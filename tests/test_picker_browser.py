@@ -1,18 +1,18 @@
-"""The GPU picker in a real browser: JupyterLab + Debian's Chromium driven by Playwright.
+"""The GPU picker in a real browser: JupyterLab 4 and Notebook 7 + Debian's Chromium driven by Playwright.
 
 The kernel gets the recorded 8-GPU inventory (tests/fake_nvml.py); the test
 checks that the panel renders as widgets (not the text fallback), clicks GPU
 checkboxes in the page, and reads back -- from the DOM -- that the kernel now
-resolves cells that name no devices to the new GPUs.  A screenshot goes to
-artifacts/gpu_picker.png.  Skipped when Chromium, Playwright or JupyterLab is
-missing, except under CI=true, where that fails (see browser_support.py).
+resolves cells that name no devices to the new GPUs.  Once per front end; screenshots
+go to artifacts/gpu_picker-{lab,notebook7}.png.  Skipped when Chromium, Playwright,
+JupyterLab or Notebook 7 is missing, except under CI=true, where that fails (see browser_support.py).
 """
 import os
 
 import nbformat
 import pytest
 
-from browser_support import (Browser, JupyterLab, cells, open_notebook, require_browser, run_all_cells, screenshot,
+from browser_support import (FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, run_all_cells, screenshot,
                              wait_for_text, wait_idle)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -36,13 +36,14 @@ def _write_notebook(path: str) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_picker_renders_and_clicks_reach_the_kernel(tmp_path):
+@pytest.mark.parametrize("frontend", list(FRONTENDS))
+def test_picker_renders_and_clicks_reach_the_kernel(tmp_path, frontend):
     require_browser()
-    root = tmp_path / "lab"
+    root = tmp_path / "root"
     root.mkdir()
     _write_notebook(str(root / "picker.ipynb"))
-    with JupyterLab(str(root)) as lab, Browser(str(tmp_path / "profile")) as page:
-        open_notebook(page, lab, "picker.ipynb")
+    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
+        open_notebook(page, server, "picker.ipynb")
         run_all_cells(page)
 
         panel = page.locator(".jp-OutputArea-output .ddp-gpu-picker")
@@ -70,4 +71,4 @@ def test_picker_renders_and_clicks_reach_the_kernel(tmp_path):
         wait_for_text(last_cell.locator(".jp-OutputArea-output"), r"DEFAULT 4 0,1,3,7 nccl")
         wait_idle(page, 30)
         panel.scroll_into_view_if_needed()
-        screenshot(page, "gpu_picker.png")
+        screenshot(page, f"gpu_picker-{frontend}.png")

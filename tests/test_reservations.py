@@ -76,7 +76,7 @@ def test_another_process_s_gpu_is_refused_by_name_shared_with_force_and_skipped_
         counted.release_devices()
         assert reservations.holders([fake_nvml.UUIDS[3]])[fake_nvml.UUIDS[3]] is None
         table = gpus.table(gpus.discover())
-        assert f"reserved by" in table.splitlines()[2] and f"(pid {other.pid})" in table.splitlines()[2]
+        assert "reserved by" in table.splitlines()[2] and f"(pid {other.pid})" in table.splitlines()[2]
     finally:
         _end(other)
     assert reservations.holders([fake_nvml.UUIDS[1]])[fake_nvml.UUIDS[1]] is None  # killed: released by itself
@@ -221,7 +221,7 @@ def test_wait_and_force_flags_are_checked_before_anything_starts(no_leftovers):
         other = _holder([fake_nvml.UUIDS[0]])
         try:
             out = _reply(kc, kc.execute("%%ddp --gpus 0, --backend gloo\nprint('RAN')"))
-            assert f"GPU 0 is reserved by" in out and f"(pid {other.pid})" in out and "RAN" not in out
+            assert "GPU 0 is reserved by" in out and f"(pid {other.pid})" in out and "RAN" not in out
             # --force shares it; the ranks then start (and, with the CPU build of torch here, say so clearly).
             out = _reply(kc, kc.execute("%%ddp --gpus 0, --force --backend gloo\nprint('RAN')"))
             assert "sharing with another kernel's job (--force)" in out

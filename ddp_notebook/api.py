@@ -23,7 +23,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
            port: int | None = None, seed: int | None = None, backend: str | None = None,
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
            nnodes: int = 1, master_addr: str | None = None, export: str | None = None, executor: Any = None,
-           detach: bool = False, max_restarts: int = 0, log_dir: str | None = None) -> Any:
+           detach: bool = False, max_restarts: int = 0, log_dir: str | None = None, force: bool = False,
+           wait: float | None = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -44,6 +45,10 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     ``max_restarts=N``: when a rank fails, every rank is stopped and ``fn`` runs again on fresh ranks, up to N
     times (``ddp_notebook.attempt()`` and ``ddp_notebook.resume()`` in the ranks).  ``log_dir``: every rank's
     complete output also goes to ``log_dir/rank<N>.log`` (``job.logs(rank)`` keeps the newest 16 MB in memory).
+
+    GPUs are reserved for the job against every other ddp_notebook job on the machine.  ``gpus=N, wait=M`` waits
+    up to M minutes (``math.inf``: no limit) for N GPUs free of reservations and load; ``force=True`` shares GPUs
+    named by index that another job holds.
     """
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
@@ -51,7 +56,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
         raise LaunchError("detach=True leaves a Slurm job running on its own: it goes with executor=")
     warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
-                master_addr=master_addr, export=export, executor=executor)
+                master_addr=master_addr, export=export, executor=executor, force=force, wait=wait)
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
     if detach:
         return submit_detached(spec, task)
@@ -72,7 +77,8 @@ def warm_pool_for(gpus: Any = None, cpus: int | None = None, nnodes: int = 1,
 def plan(warm: pool.Pool | None, *, gpus: Any = None, cpus: int | None = None, backend: str | None = None,
          port: int | None = None, seed: int | None = None, timeout: float | None = None, nnodes: int = 1,
          node_rank: int | None = 0, master_addr: str | None = None, export: str | None = None,
-         output_ranks: set[int] | None = None, executor: Any = None) -> JobSpec:
+         output_ranks: set[int] | None = None, executor: Any = None, force: bool = False,
+         wait: float | None = None) -> JobSpec:
     """Where and how a job runs: on ``warm`` (the warm pool, which refuses options it cannot honour), on fresh
     ranks of the devices asked for, with ``nnodes > 1`` as node 0 of several hosts, or with ``executor`` as the
     tasks of a Slurm job.  Refuses with LaunchError before anything starts; shared by ``%%ddp`` and
@@ -83,7 +89,7 @@ def plan(warm: pool.Pool | None, *, gpus: Any = None, cpus: int | None = None, b
     if warm is not None:
         warm.refuse_job_options(port=port, timeout=timeout, backend=backend)
         return warm.spec_for(seed, output_ranks)
-    spec = resolve_devices(gpus, cpus, backend)
+    spec = resolve_devices(gpus, cpus, backend, force=force, wait=wait)
     spec.port, spec.seed, spec.timeout, spec.output_ranks = port, seed, timeout, output_ranks
     if nnodes != 1:
         spec = multinode.node_spec(spec, nnodes, node_rank, master_addr, export)
@@ -154,6 +160,7 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
             job = Job(spec, data, relay=relay, backend=backend, max_restarts=max_restarts)
     except BaseException:
         payload.release(data)
+        spec.release_devices()
         raise
     job.callbacks = list(callbacks)
     job.relay.log_dir = log_dir
@@ -168,6 +175,7 @@ def start_job(job: Job) -> Job:
         return job.start()
     except BaseException:
         payload.release(job.task)  # no rank ever ran: its shared arrays go now
+        job.spec.release_devices()
         raise
 
 

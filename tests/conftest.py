@@ -14,6 +14,8 @@ if not os.environ.get("DDP_NOTEBOOK_TEST_TMPDIR"):
 
     os.environ["DDP_NOTEBOOK_TEST_TMPDIR"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddp-tests-")
     tempfile.tempdir = None
+# GPU reservations (engine/reservations.py) of this run's fake GPUs stay in it, away from the machine's own.
+os.environ.setdefault("DDP_NOTEBOOK_RESERVATIONS", os.path.join(os.environ["DDP_NOTEBOOK_TEST_TMPDIR"], "gpu-reservations"))
 
 
 def rank_processes():

@@ -134,3 +134,8 @@ def server8(**kwargs) -> FakeNVML:
 def no_driver() -> FakeNVML:
     """A machine where nvidia-ml-py is installed but no NVIDIA driver is."""
     return FakeNVML(rows=[], library_missing=True)
+
+
+def free2() -> FakeNVML:
+    """A machine with two idle GPUs (the recorded server's freest two, renumbered 0 and 1)."""
+    return FakeNVML(rows=[(0, 4, 2, []), (1, 4, 0, [])])

@@ -202,8 +202,10 @@ def test_refusals_come_before_any_rank_starts(monkeypatch):
     assert rank_processes() == []
 
 
-def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch):
+def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch, tmp_path):
     from ddp_notebook.engine import devices as gpus
+
+    monkeypatch.setenv("DDP_NOTEBOOK_RESERVATIONS", str(tmp_path))
 
     inventory = [gpus.GPU(i, "GPU", used << 30, 80 << 30, util, str(i)) for i, (used, util) in
                  enumerate([(70, 90), (1, 0), (40, 50), (1, 10)])]
@@ -213,6 +215,8 @@ def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch):
     assert job_spec.resolve_devices("3,").gpus == ["3"]
     least = job_spec.resolve_devices(2)
     assert least.gpus == ["1", "3"] and "least busy" in least.notes[0]
+    spec.release_devices()  # (their jobs ended: every GPU is free again)
+    least.release_devices()
     assert job_spec.resolve_devices(None).world_size == 4
     assert job_spec.resolve_devices(2, backend="gloo").backend == "gloo"
     from ddp_notebook.engine.backend import rank_environment

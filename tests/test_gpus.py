@@ -9,6 +9,7 @@ import subprocess
 import sys
 import types
 
+import psutil
 import pytest
 
 import fake_nvml
@@ -23,8 +24,9 @@ MiB = 2**20
 
 
 @pytest.fixture
-def server(monkeypatch):
-    """The recorded 8-GPU server, with no CUDA_VISIBLE_DEVICES and no default devices."""
+def server(monkeypatch, tmp_path):
+    """The recorded 8-GPU server, with no CUDA_VISIBLE_DEVICES, no default devices, and no reservations."""
+    monkeypatch.setenv("DDP_NOTEBOOK_RESERVATIONS", str(tmp_path / "reservations"))
     fake = fake_nvml.server8()
     monkeypatch.setattr(gpus, "_nvml_override", fake)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -74,10 +76,11 @@ def test_cuda_visible_devices_indices_are_renumbered_and_ranks_get_uuids(server,
     # Indices the user types are relative to the kernel's view...
     spec = job_spec.resolve_devices("0,2")
     assert spec.gpus == [fake_nvml.UUIDS[5], fake_nvml.UUIDS[7]] and spec.world_size == 2
+    spec.release_devices()  # (a job that ended)
     # ...and a count takes the least busy of the visible ones (5: 68 GiB free, then 7: 60 GiB).
     spec = job_spec.resolve_devices(2)
     assert spec.gpus == [fake_nvml.UUIDS[5], fake_nvml.UUIDS[7]]
-    assert "using the 2 least busy GPUs: 0 (12.0/80 GiB, 3%), 2 (20.0/80 GiB, 88%)" in spec.notes[0]
+    assert "using the 2 least busy GPUs free of other jobs: 0 (12.0/80 GiB, 3%), 2 (20.0/80 GiB, 88%)" in spec.notes[0]
     with pytest.raises(LaunchError, match=r"GPU 3 not found; this machine has 3: 0: NVIDIA A100"):
         job_spec.resolve_devices("3,")
 
@@ -156,9 +159,12 @@ def test_a_machine_without_driver_reports_no_gpu_and_why(monkeypatch):
 def test_resolve_devices_counts_lists_and_refusals(server):
     spec = job_spec.resolve_devices(3)
     assert spec.world_size == 3 and spec.gpus == ["1", "3", "6"] and spec.backend == "nccl"
-    assert spec.notes == ["using the 3 least busy GPUs: 1 (0.0/80 GiB, 2%), 3 (0.0/80 GiB, 0%), 6 (0.5/80 GiB, 0%)"]
+    assert spec.notes == ["using the 3 least busy GPUs free of other jobs: 1 (0.0/80 GiB, 2%), 3 (0.0/80 GiB, 0%), "
+                          "6 (0.5/80 GiB, 0%)"]
+    spec.release_devices()
     everything = job_spec.resolve_devices("8")
     assert everything.gpus == [str(i) for i in range(8)] and everything.notes == []
+    everything.release_devices()
     assert job_spec.resolve_devices("0,2,5").gpus == ["0", "2", "5"]
     assert job_spec.resolve_devices("5,0").gpus == ["5", "0"]  # rank r gets the r-th listed GPU
     assert job_spec.resolve_devices("3,").gpus == ["3"] and job_spec.resolve_devices("3,").world_size == 1
@@ -202,6 +208,7 @@ def test_default_devices_from_the_picker_and_explicit_flags_win(server):
     spec = job_spec.resolve_devices()
     assert spec.gpus == ["6", "1"] and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [6, 1]"]
+    spec.release_devices()
     assert job_spec.resolve_devices(cpus=3).world_size == 3  # explicit flags win
     assert job_spec.resolve_devices("2,").gpus == ["2"]
     job_spec.set_default_devices(lambda: None)  # a picker with no opinion
@@ -215,12 +222,13 @@ def test_cli_prints_the_table(server, capsys):
     assert cli_main(["gpus"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "GPUs (NVML, driver 550.54.15):"
-    assert out[1].split() == ["GPU", "name", "memory", "used", "util", "free", "processes"]
+    assert out[1].split() == ["GPU", "name", "memory", "used", "util", "free", "reservation;", "processes"]
     assert out[2].split()[:6] == ["0", "NVIDIA", "A100-SXM4-80GB", "71.3/80", "GiB", "97%"]
     assert out[2].endswith("2 other processes")
     assert out[4].split()[0] == "2" and out[4].endswith("1 other process")
     assert len(out) == 1 + 1 + 8 + 1
-    assert out[-1] == "least busy first: 3, 1, 6, 5, 7, 2, 0, 4  (--gpus N takes the first N)"
+    assert out[-1] == "least busy first: 3, 1, 6, 5, 7, 2, 0, 4  (--gpus N takes the first N that no other job has " \
+                      "reserved)"
 
 
 def test_cli_runs_as_a_module_on_this_machine():
@@ -233,3 +241,18 @@ def test_cli_runs_as_a_module_on_this_machine():
         assert first.startswith("GPUs (NVML, driver") or first.startswith("GPUs (torch.cuda")
     else:
         assert first.startswith("No GPU found: no NVIDIA driver")
+
+
+def test_other_processes_show_owner_and_command_and_unseen_ones_are_not_called_free(server, monkeypatch):
+    import getpass
+
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.server8(extra_processes={1: [os.getpid()]}))
+    found = {g.index: g for g in gpus.discover()}
+    me = " ".join(psutil.Process().cmdline())
+    assert found[1].jobs_text() == f"1 other process ({getpass.getuser()}: {me[:39] + '…' if len(me) > 40 else me})"
+    assert found[3].jobs_text() == "idle"
+    # In a container NVML lists no process of another container, though its memory is in use: not "idle".
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.FakeNVML(rows=[(0, 40960, 55, []), (1, 4, 0, [])]))
+    unseen, idle = gpus.discover()
+    assert unseen.jobs_text() == "in use by processes this machine cannot see (another container?)"
+    assert idle.jobs_text() == "idle"

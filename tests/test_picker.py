@@ -17,8 +17,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture
-def clean_defaults(monkeypatch):
+def clean_defaults(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("DDP_NOTEBOOK_RESERVATIONS", str(tmp_path / "reservations"))  # no other test's
     monkeypatch.setattr(job_spec, "_default_devices", None)
     monkeypatch.setattr(picker, "_active", None)
 
@@ -40,6 +41,7 @@ def test_picker_on_the_8_gpu_server_ticks_free_gpus_and_feeds_the_launcher(clean
     spec = job_spec.resolve_devices()
     assert spec.gpus == ["1", "3", "6"] and spec.world_size == 3 and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [1, 3, 6]"]
+    spec.release_devices()  # (its job ended)
     panel.checkboxes[6].value = False
     panel.checkboxes[0].value = True
     assert job_spec.resolve_devices().gpus == ["0", "1", "3"]

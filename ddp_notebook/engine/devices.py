@@ -16,6 +16,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from . import reservations
+
 GiB = 2**30
 WORKER_MODULES = ("ddp_notebook.rank.worker", "ddp_notebook.worker")  # (the second: ranks of earlier versions)
 BUSY_UTILIZATION = 10  # percent
@@ -28,7 +30,8 @@ class GPUProcess:
 
     pid: int
     memory_used: int | None = None  # bytes; None when the driver does not say
-    name: str = ""
+    name: str = ""  # its command line, where /proc shows it
+    user: str = ""
     rank: int | None = None
     kernel_pid: int | None = None  # the notebook kernel that started the rank
 
@@ -52,6 +55,11 @@ class GPU:
     @property
     def memory_free(self) -> int:
         return self.memory_total - self.memory_used
+
+    @property
+    def lock_name(self) -> str:
+        """The name of its reservation (engine/reservations.py): the same in every process of the machine."""
+        return self.uuid or f"index-{self.index if self.physical_index is None else self.physical_index}"
 
     @property
     def busy(self) -> bool:
@@ -90,7 +98,17 @@ class GPU:
         others = self.other_processes
         if others:
             parts.append(f"{len(others)} other process{'es' if len(others) != 1 else ''}")
+            seen = [f"{p.user or '?'}: {_short(p.name)}" for p in others if p.name]
+            if seen:
+                parts[-1] += f" ({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''})"
+        elif not parts and self.memory_total and self.memory_used / self.memory_total >= BUSY_MEMORY_FRACTION:
+            # NVML lists no process, yet memory is in use: processes of other containers, invisible from here
+            return "in use by processes this machine cannot see (another container?)"
         return "; ".join(parts) if parts else "idle"
+
+
+def _short(command: str, width: int = 40) -> str:
+    return command if len(command) <= width else command[:width - 1] + "…"
 
 
 _nvml_override = None  # tests inject a recorded NVML module here
@@ -172,13 +190,23 @@ def _rank_of(pid: int) -> tuple[int, int | None] | None:
     return None
 
 
-def _process_name(pid: int) -> str:
+def _process_owner_and_command(pid: int) -> tuple[str, str]:
+    """(user, command line) of ``pid`` as far as /proc shows them; ("", "") for a pid of another container."""
     try:
         import psutil
 
-        return psutil.Process(pid).name()
+        proc = psutil.Process(pid)
+        try:
+            command = " ".join(proc.cmdline()) or proc.name()
+        except psutil.Error:
+            command = proc.name()
+        try:
+            user = proc.username()
+        except (psutil.Error, KeyError):
+            user = ""
+        return user, command
     except Exception:
-        return ""  # a pid of another container, or gone
+        return "", ""  # a pid of another container, or gone
 
 
 def _processes(nvml, handle) -> list[GPUProcess]:
@@ -197,7 +225,7 @@ def _processes(nvml, handle) -> list[GPUProcess]:
             ours = _rank_of(pid)
             if ours is not None:
                 proc.rank, proc.kernel_pid = ours
-            proc.name = _process_name(pid)
+            proc.user, proc.name = _process_owner_and_command(pid)
             found[pid] = proc
     return list(found.values())
 
@@ -301,12 +329,15 @@ def table(gpus: list[GPU], source: str = "") -> str:
     if not gpus:
         lines.append("%%ddp cells run CPU ranks with the gloo backend (--cpus N; 2 by default).")
         return "\n".join(lines)
-    rows = [("GPU", "name", "memory used", "util", "free", "processes")]
+    held = reservations.holders([g.lock_name for g in gpus])
+    rows = [("GPU", "name", "memory used", "util", "free", "reservation; processes")]
     for g in gpus:
         mem = f"{g.memory_used / GiB:.1f}/{g.memory_total / GiB:.0f} GiB" if g.memory_total else "?"
         util = f"{g.utilization}%" if g.utilization >= 0 else "?"
         free = f"{g.memory_free / GiB:.1f} GiB" if g.memory_total else "?"
-        rows.append((str(g.index), g.name, mem, util, free, g.jobs_text()))
+        holder = held[g.lock_name]
+        reserved = f"reserved by {holder.describe()}; " if holder else ""
+        rows.append((str(g.index), g.name, mem, util, free, reserved + g.jobs_text()))
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     for row in rows:
         cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]),
@@ -316,5 +347,5 @@ def table(gpus: list[GPU], source: str = "") -> str:
     if busy:
         lines.append(f"GPU {', '.join(map(str, busy))} already run a ddp_notebook job.")
     order = ", ".join(str(g.index) for g in least_busy(gpus, len(gpus)))
-    lines.append(f"least busy first: {order}  (--gpus N takes the first N)")
+    lines.append(f"least busy first: {order}  (--gpus N takes the first N that no other job has reserved)")
     return "\n".join(lines)

@@ -540,6 +540,7 @@ class Job(EventSource):
     def _end(self) -> None:
         self._forget_task_file()
         payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
+        self.spec.release_devices()  # for other jobs (a pool job's spec holds none: the pool holds them)
         if self.ended_at is None:
             self.ended_at = time.time()
             log.debug("job #%s ended: %s", self.task_id, self.status)

@@ -154,6 +154,7 @@ class Pool:
                     raise LaunchError(f"the warm pool did not start: {reason}")
         except BaseException:
             group.kill()
+            spec.release_devices()
             raise
         group.relay.flush(final=True)
         self.group = group
@@ -170,6 +171,7 @@ class Pool:
         if self.group is not None:
             self.group.shut_down(wait=5.0)
             self.group = None
+        self.spec.release_devices()
         if _current is self:
             _current = None
 
@@ -218,7 +220,8 @@ class Pool:
 
     def spec_for(self, seed: int | None = None, output_ranks: set[int] | None = None) -> JobSpec:
         """The pool's spec with one cell's own settings."""
-        return dataclasses.replace(self.spec, seed=seed, output_ranks=output_ranks, notes=[])
+        return dataclasses.replace(self.spec, seed=seed, output_ranks=output_ranks, notes=[],
+                                   reservation=None)  # the pool holds its GPUs, not its cells
 
     def to_ship(self, names: dict[str, Any], targets: list[int]) -> dict[str, Any]:
         """The names some target rank does not hold in their current notebook version."""

@@ -8,11 +8,14 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..wire.errors import LaunchError
 from . import devices as gpu_discovery
+from . import reservations
 
 DEFAULT_CPU_RANKS = 2
 # What chooses the devices of cells and launches that name none: the GPU picker. Explicit flags win, and a
@@ -49,6 +52,13 @@ class JobSpec:
     nnodes: int = 1  # > 1: this host is node 0 of a job on several hosts (nodes.py); world_size counts them all
     export_path: str | None = None  # the script the other hosts run under torchrun (nnodes > 1)
     executor: Any = None  # a submitit executor: the ranks are the tasks of a Slurm job (slurm.py)
+    # The GPUs held for this job against every other on the machine (reservations.py); the job or pool releases it.
+    reservation: Any = field(default=None, repr=False, compare=False)
+
+    def release_devices(self) -> None:
+        """Let other jobs have the GPUs held for this job (it ended, or will not run)."""
+        if self.reservation is not None:
+            self.reservation.release()
     chosen_backend: str | None = None  # with an executor, the backend asked for (None: each rank chooses)
 
 
@@ -72,8 +82,15 @@ def parse_gpus(gpus: Any) -> int | list[int]:
     return [int(i) for i in gpus]
 
 
-def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | None = None) -> JobSpec:
-    """Turn the user's device request into a spec, or refuse it before anything starts."""
+WAIT_POLL_S = 1.0  # how often --wait looks again
+
+
+def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | None = None, *,
+                    force: bool = False, wait: float | None = None) -> JobSpec:
+    """Turn the user's device request into a spec, or refuse it before anything starts.  GPUs are reserved
+    against every other ddp_notebook job on the machine (``spec.reservation``); ``force`` shares a GPU named
+    explicitly although another job holds it; ``wait`` (minutes, ``math.inf``: no limit) waits for a count of
+    GPUs to be free of reservations and load, first come first served."""
     if gpus is not None and cpus is not None:
         raise LaunchError("give either gpus or cpus, not both")
     if backend is not None and backend not in ("nccl", "gloo"):
@@ -86,18 +103,21 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
             gpus, cpus = (value, None) if kind == "gpus" else (None, value)
             notes.append(f"using the {kind} chosen in the GPU picker: {value}")
     if cpus is not None:
+        if wait is not None:
+            raise LaunchError("--wait waits for GPUs (--gpus N); CPU ranks need no waiting")
         if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
             raise LaunchError(f"cpus must be a positive number of ranks, not {cpus!r}")
         if backend == "nccl":
             raise LaunchError("the nccl backend needs GPUs; CPU ranks use gloo")
         return JobSpec(world_size=cpus, backend="gloo", notes=notes)
     available = gpu_discovery.discover()
+    reservation = None
     if gpus is None:
         if not available:
             if backend == "nccl":
                 raise LaunchError("the nccl backend needs GPUs, and this machine has none")
             return JobSpec(world_size=DEFAULT_CPU_RANKS, backend="gloo", notes=notes)
-        chosen_gpus = available
+        chosen_gpus, reservation = _reserve_count(available, None, notes)
     else:
         request = parse_gpus(gpus)
         if isinstance(request, int):
@@ -106,10 +126,11 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
             if request > len(available):
                 raise LaunchError(f"{request} GPUs asked for, but this machine has {len(available)}: "
                                   f"{gpu_discovery.describe(available)}")
-            chosen_gpus = sorted(gpu_discovery.least_busy(available, request), key=lambda g: g.index)
-            if request < len(available):
-                notes.append(f"using the {request} least busy GPUs: "
-                             + ", ".join(f"{g.index} ({g.load_text()})" for g in chosen_gpus))
+            if wait is not None:
+                available, reservation = _wait_for_gpus(request, wait)
+                chosen_gpus = sorted((g for g in available if g.lock_name in reservation.uuids), key=lambda g: g.index)
+            else:
+                chosen_gpus, reservation = _reserve_count(available, request, notes)
         else:
             if not request:
                 raise LaunchError("--gpus: no GPU index given")
@@ -120,13 +141,99 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
             if unknown:
                 raise LaunchError(f"GPU {', '.join(map(str, unknown))} not found; this machine has "
                                   f"{len(available)}: {gpu_discovery.describe(available)}")
+            if wait is not None:
+                raise LaunchError("--wait waits for a count of GPUs (--gpus N), not for GPUs named by index")
             chosen_gpus = [by_index[i] for i in request]
+            reservation = _reserve_named(chosen_gpus, force, notes)
     shared = [g for g in chosen_gpus if g.our_ranks]
     if shared:
         notes.append("already running a ddp_notebook job: "
                      + "; ".join(f"GPU {g.index}: {g.jobs_text()}" for g in shared))
     return JobSpec(world_size=len(chosen_gpus), gpus=[g.visible_id for g in chosen_gpus],
-                   backend=backend or "nccl", notes=notes)
+                   backend=backend or "nccl", notes=notes, reservation=reservation)
+
+
+def _reserve_count(available: list, n: int | None, notes: list[str]):
+    """The ``n`` least busy GPUs no other job holds (None: every free one), held for this job: (GPUs, reservation).
+    The locks decide: two kernels choosing at the same moment get different GPUs."""
+    held = reservations.holders([g.lock_name for g in available])
+    free = [g for g in available if held[g.lock_name] is None]
+    taken = [g for g in available if held[g.lock_name] is not None]
+    want = len(free) if n is None else n
+    reservation = reservations.reserve_any([g.lock_name for g in gpu_discovery.least_busy(free, len(free))], want) \
+        if want else None
+    if reservation is None:
+        others = "; ".join(f"GPU {g.index}: {held[g.lock_name].describe()}" for g in taken) or "none"
+        raise LaunchError(f"{want or 'some'} GPU{'s' if want != 1 else ''} asked for, but only {len(free)} of "
+                          f"{len(available)} are free of other jobs' reservations (reserved: {others}); wait for "
+                          f"them with --wait, or share one with --gpus INDEX --force")
+    chosen = sorted((g for g in available if g.lock_name in reservation.uuids), key=lambda g: g.index)
+    if n is not None and n < len(available):
+        notes.append(f"using the {n} least busy GPUs free of other jobs: "
+                     + ", ".join(f"{g.index} ({g.load_text()})" for g in chosen))
+    elif n is None and taken:
+        notes.append(f"using the {len(chosen)} GPUs no other job holds; reserved: "
+                     + "; ".join(f"GPU {g.index}: {held[g.lock_name].describe()}" for g in taken))
+    return chosen, reservation
+
+
+def _wait_for_gpus(n: int, minutes: float):
+    """Wait until ``n`` GPUs are free of reservations and not busy, and hold them: (every GPU, reservation).
+    A status line counts the time; an interrupt ends the wait."""
+    started = time.monotonic()
+    try:
+        return _wait_in_line(n, minutes, started)
+    except BaseException:
+        print(file=sys.stderr)  # end the status line
+        raise
+
+
+def _wait_in_line(n: int, minutes: float, started: float):
+    with reservations.WaitingLine() as line:
+        while True:
+            available = gpu_discovery.discover()
+            held = reservations.holders([g.lock_name for g in available])
+            usable = [g for g in available if held[g.lock_name] is None and not g.busy]
+            if len(usable) >= n and line.my_turn():
+                ranked = gpu_discovery.least_busy(usable, len(usable))
+                reservation = reservations.reserve_any([g.lock_name for g in ranked], n)
+                if reservation is not None:
+                    print(f"\rGPUs free after {_clock(time.monotonic() - started)}: "
+                          f"{', '.join(str(g.index) for g in available if g.lock_name in reservation.uuids)}",
+                          file=sys.stderr, flush=True)
+                    return available, reservation
+            waited = time.monotonic() - started
+            if waited > minutes * 60:
+                raise LaunchError(f"{n} GPU{'s' if n != 1 else ''} did not become free within {minutes:g} min "
+                                  f"({len(available) - len(usable)} of {len(available)} busy or reserved)")
+            print(f"\rwaiting for {n} GPU{'s' if n != 1 else ''}: {len(available) - len(usable)} busy — "
+                  f"{_clock(waited)}", end="", file=sys.stderr, flush=True)
+            time.sleep(WAIT_POLL_S)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _reserve_named(chosen: list, force: bool, notes: list[str]):
+    """Hold the GPUs the user named.  One that another kernel's job holds is refused unless ``force``; one that
+    a job of this kernel holds is shared (the user's own choice), with a note."""
+    reservation, holders = reservations.reserve([g.lock_name for g in chosen])
+    others = [g for g in chosen if g.lock_name in holders and holders[g.lock_name].pid != os.getpid()]
+    mine = [g for g in chosen if g.lock_name in holders and holders[g.lock_name].pid == os.getpid()]
+    if others and not force:
+        reservation.release()
+        busy = "; ".join(f"GPU {g.index} is reserved by {holders[g.lock_name].describe()}" for g in others)
+        raise LaunchError(f"{busy}. Choose others (%ddp_gpus shows who holds which), wait with --gpus N --wait, "
+                          f"or share it anyway with --force")
+    if others:
+        notes.append("sharing with another kernel's job (--force): "
+                     + "; ".join(f"GPU {g.index}: {holders[g.lock_name].describe()}" for g in others))
+    if mine:
+        notes.append(f"GPU{'s' if len(mine) > 1 else ''} {', '.join(str(g.index) for g in mine)} also held by "
+                     f"another job of this notebook")
+    return reservation
 
 
 def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None, *,

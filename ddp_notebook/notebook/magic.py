@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import builtins
 import linecache
+import math
 import sys
 import time
 import warnings
@@ -159,6 +160,11 @@ class DDPMagics(Magics):
     @argument("--cpus", type=int, default=None, metavar="N", help="N CPU ranks (gloo backend)")
     @argument("--backend", choices=("nccl", "gloo"), default=None,
               help="process-group backend (default: nccl on GPUs, gloo on CPU ranks)")
+    @argument("--force", action="store_true",
+              help="with --gpus I,J: use GPUs another job has reserved (shared with it)")
+    @argument("--wait", type=float, nargs="?", const=math.inf, default=None, metavar="MINUTES",
+              help="with --gpus N: wait (up to MINUTES; no limit without) until N GPUs are free of other jobs' "
+                   "reservations and load, first come first served")
     @argument("--port", type=int, default=None, metavar="P",
               help="master port (default: a free port for each job)")
     @argument("--seed", type=int, default=None, metavar="S",
@@ -245,7 +251,10 @@ class DDPMagics(Magics):
             spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
                 timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                export=args.export, output_ranks=output_ranks, executor=executor)
+                export=args.export, output_ranks=output_ranks, executor=executor, force=args.force, wait=args.wait)
+        except LaunchError as exc:
+            raise UsageError(str(exc)) from None
+        try:
             if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
             sources = payload.notebook_sources()
@@ -264,8 +273,13 @@ class DDPMagics(Magics):
                                        relay=relay, targets=targets, background=args.background,
                                        max_restarts=args.max_restarts, log_dir=args.log_dir)
             job.stop_grace = args.grace
-        except LaunchError as exc:
-            raise UsageError(str(exc)) from None
+        except BaseException as exc:
+            if spec is not None:
+                spec.release_devices()  # the job will not run: its GPUs go back now
+            if isinstance(exc, LaunchError):
+                raise UsageError(str(exc)) from None
+            raise
+
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
             if warm is not None:
                 bound = scan_names(cell)[0]  # a failed cell may have bound names too
@@ -293,6 +307,11 @@ class DDPMagics(Magics):
     @argument("--gpus", default=None, metavar="N|I,J,..", help="a GPU count or indices, as for %%ddp")
     @argument("--cpus", type=int, default=None, metavar="N", help="N CPU ranks (gloo)")
     @argument("--backend", choices=("nccl", "gloo"), default=None, help="process-group backend")
+    @argument("--force", action="store_true",
+              help="with --gpus I,J: use GPUs another job has reserved (shared with it)")
+    @argument("--wait", type=float, nargs="?", const=math.inf, default=None, metavar="MINUTES",
+              help="with --gpus N: wait (up to MINUTES; no limit without) until N GPUs are free of other jobs' "
+                   "reservations and load, first come first served")
     @argument("--port", type=int, default=None, metavar="P", help="master port (default: a free port)")
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="bound for each collective")
     @line_magic
@@ -308,7 +327,7 @@ class DDPMagics(Magics):
             raise UsageError("a warm pool is already up (%ddp_status); %ddp_stop it first")
         try:
             job_spec.check_options(args.port, None, args.timeout)
-            spec = job_spec.resolve_devices(args.gpus, args.cpus, args.backend)
+            spec = job_spec.resolve_devices(args.gpus, args.cpus, args.backend, force=args.force, wait=args.wait)
             spec.port, spec.timeout = args.port, args.timeout
             for note in spec.notes:
                 print(f"ddp_notebook: {note}", file=sys.stderr)

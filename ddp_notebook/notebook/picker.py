@@ -18,6 +18,7 @@ from typing import Any, Callable
 import ipywidgets as widgets
 
 from ..engine import devices as gpu_discovery
+from ..engine import reservations
 from ..engine import spec as job_spec
 from ..wire.errors import LaunchError
 
@@ -74,7 +75,9 @@ class GPUPicker(widgets.VBox):
         else:
             self.header.value = (f"<b>GPUs</b> ({html.escape(self.source)}; read at {stamp}). Tick the GPUs that "
                                  "<code>%%ddp</code> cells without <code>--gpus</code>/<code>--cpus</code> use:")
-            wanted = self._wanted if self._wanted is not None else {g.index for g in self.gpus if not g.busy}
+            held = reservations.holders([g.lock_name for g in self.gpus])
+            wanted = self._wanted if self._wanted is not None else \
+                {g.index for g in self.gpus if not g.busy and held[g.lock_name] is None}
             self.checkboxes = {}
             rows = []
             for gpu in self.gpus:
@@ -83,16 +86,19 @@ class GPUPicker(widgets.VBox):
                 box.add_class(f"ddp-gpu-{gpu.index}")
                 box.observe(self._changed, "value")
                 self.checkboxes[gpu.index] = box
-                rows.append(widgets.HBox([box, widgets.HTML(self._row_html(gpu))]))
+                rows.append(widgets.HBox([box, widgets.HTML(self._row_html(gpu, held[gpu.lock_name]))]))
             self.rows.children = rows
         self._changed()
 
     @staticmethod
-    def _row_html(gpu: gpu_discovery.GPU) -> str:
+    def _row_html(gpu: gpu_discovery.GPU, holder: reservations.Holder | None = None) -> str:
         fraction = gpu.memory_used / gpu.memory_total if gpu.memory_total else 0.0
         load = max(fraction, gpu.utilization / 100)  # the bar is memory; its colour is the worse of both
         jobs = html.escape(gpu.jobs_text())
-        if gpu.our_ranks:
+        if holder is not None:
+            jobs = f"<span style='color:#c62828;font-weight:bold'>reserved by {html.escape(holder.describe())}</span>; " \
+                f"{jobs}"
+        elif gpu.our_ranks:
             jobs = f"<span style='color:#c62828;font-weight:bold'>{jobs}</span>"
         elif gpu.processes:
             jobs = f"<span style='color:#8d6e00'>{jobs}</span>"

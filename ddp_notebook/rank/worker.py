@@ -83,7 +83,8 @@ def set_device(ctx: context.RankContext, gpus: bool, index: int | None = None) -
         index = ctx.local_rank if index is None else index
         if not torch.cuda.is_available():
             why = "this torch is built without CUDA" if torch.version.cuda is None else "CUDA finds no GPU here"
-            raise RuntimeError(f"the job was given GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '?')}, but {why} "
+            given = os.environ.get("CUDA_VISIBLE_DEVICES", "?")
+            raise RuntimeError(f"the job was given a GPU (CUDA_VISIBLE_DEVICES={given}), but {why} "
                                f"(torch {torch.__version__}); run it with --cpus N, or install a CUDA build of torch")
         torch.cuda.set_device(index)
         ctx.device = torch.device("cuda", index)

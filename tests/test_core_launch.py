@@ -191,6 +191,27 @@ def _seed_style_train(rank, world_size, scale):
     return t.item() * scale
 
 
+def _spawned_device(rank):
+    from ddp_notebook.rank import checkpoint, context
+
+    return rank, os.environ.get("CUDA_VISIBLE_DEVICES"), context.current().device, str(checkpoint._rank_device())
+
+
+def test_spawn_on_gpus_leaves_the_device_to_the_user_s_code_not_cpu(no_leftovers, monkeypatch):
+    import fake_nvml
+    from ddp_notebook.engine import devices as gpus
+
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.free2())  # two GPUs, as NVML would report them
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = ddp_notebook.spawn(_spawned_device, nprocs=2)
+    visible = ",".join(fake_nvml.UUIDS[:2])  # every process sees every GPU, as under mp.spawn
+    # Not "cpu": the device is the user's code's choice (checkpoint loads follow torch.cuda.current_device() once
+    # CUDA is set up; with the CPU build here, the CPU).
+    assert seen == [(0, visible, None, "cpu"), (1, visible, None, "cpu")]
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.FakeNVML(rows=[]))  # no GPU: CPU ranks, device cpu
+    assert [(d[1], str(d[2])) for d in ddp_notebook.spawn(_spawned_device, nprocs=2)] == [(None, "cpu")] * 2
+
+
 @pytest.mark.slow
 def test_spawn_is_a_drop_in_for_mp_spawn(no_leftovers):
     assert ddp_notebook.spawn(_seed_style_train, args=(2, 10), nprocs=2) == [10.0, 10.0]

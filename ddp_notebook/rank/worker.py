@@ -114,7 +114,13 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
 
     import torch.distributed as dist
 
-    set_device(ctx, boot["gpus"])
+    if boot.get("user_picks_gpu"):
+        # spawn() on GPUs: as under mp.spawn, the user's code picks its GPU; the rank's device is not known (not
+        # "cpu"), so checkpoint loads follow torch.cuda.current_device() once the user's code has set it.
+        ctx.device = None
+        sharing.set_rank_device(None)
+    else:
+        set_device(ctx, boot["gpus"])
     if not boot["init_group"]:
         return
     startup = datetime.timedelta(seconds=boot["startup_timeout"])

@@ -43,6 +43,12 @@ NAME = "NVIDIA A100-SXM4-80GB"
 DRIVER = "550.54.15"
 
 
+# Return codes and texts as NVML's nvmlErrorString gives them.
+NVML_ERROR_NO_PERMISSION = 4  # a GPU hidden from this container by cgroups
+NVML_ERROR_GPU_IS_LOST = 15  # fell off the bus
+ERROR_TEXT = {NVML_ERROR_NO_PERMISSION: "Insufficient Permissions", NVML_ERROR_GPU_IS_LOST: "GPU is lost"}
+
+
 class NVMLError(Exception):
     """As pynvml.NVMLError: carries the NVML return code."""
 
@@ -60,9 +66,17 @@ class FakeNVML:
     """The subset of the pynvml module that discovery uses, answering from recorded data."""
 
     NVMLError = NVMLError
+    NVML_ERROR_NO_PERMISSION = NVML_ERROR_NO_PERMISSION
+    NVML_ERROR_GPU_IS_LOST = NVML_ERROR_GPU_IS_LOST
 
     def __init__(self, rows=None, *, extra_processes: dict[int, list[int]] | None = None,
-                 library_missing: bool = False):
+                 library_missing: bool = False, failing: dict[int, tuple[str, int]] | None = None,
+                 names: list[str] | None = None):
+        """``failing``: device index -> (the call that fails for it, NVML return code), as a GPU hidden by cgroups
+        (nvmlDeviceGetHandleByIndex, NO_PERMISSION) or one lost (nvmlDeviceGetMemoryInfo, GPU_IS_LOST) answers.
+        ``names``: a model name per device (a machine of mixed GPUs); the recorded A100 by default."""
+        self.failing = dict(failing or {})
+        self.names = names
         self.rows = [list(r) for r in (rows if rows is not None else RECORDED)]
         for index, pids in (extra_processes or {}).items():
             self.rows[index][3] = list(self.rows[index][3]) + [(pid, 1024) for pid in pids]
@@ -70,10 +84,13 @@ class FakeNVML:
         self.initialised = 0
         self.calls: list[str] = []
 
-    def _check(self, name: str) -> None:
+    def _check(self, name: str, index: int | None = None) -> None:
         self.calls.append(name)
         if self.initialised <= 0:
             raise NVMLError(1, "Uninitialized")
+        call, code = self.failing.get(index, (None, 0))
+        if call == name:
+            raise NVMLError(code, ERROR_TEXT.get(code, f"NVML error {code}"))
 
     def nvmlInit(self):
         self.calls.append("nvmlInit")
@@ -94,30 +111,30 @@ class FakeNVML:
         return len(self.rows)
 
     def nvmlDeviceGetHandleByIndex(self, index: int):
-        self._check("nvmlDeviceGetHandleByIndex")
+        self._check("nvmlDeviceGetHandleByIndex", index)
         if not 0 <= index < len(self.rows):
             raise NVMLError(2, "Invalid Argument")
         return _Handle(index)
 
     def nvmlDeviceGetName(self, handle):
-        self._check("nvmlDeviceGetName")
-        return NAME
+        self._check("nvmlDeviceGetName", handle.index)
+        return self.names[handle.index] if self.names else NAME
 
     def nvmlDeviceGetUUID(self, handle):
-        self._check("nvmlDeviceGetUUID")
+        self._check("nvmlDeviceGetUUID", handle.index)
         return UUIDS[handle.index]
 
     def nvmlDeviceGetMemoryInfo(self, handle):
-        self._check("nvmlDeviceGetMemoryInfo")
+        self._check("nvmlDeviceGetMemoryInfo", handle.index)
         used = self.rows[handle.index][1] * MiB
         return SimpleNamespace(total=TOTAL, used=used, free=TOTAL - used)
 
     def nvmlDeviceGetUtilizationRates(self, handle):
-        self._check("nvmlDeviceGetUtilizationRates")
+        self._check("nvmlDeviceGetUtilizationRates", handle.index)
         return SimpleNamespace(gpu=self.rows[handle.index][2], memory=self.rows[handle.index][2] // 2)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
-        self._check("nvmlDeviceGetComputeRunningProcesses")
+        self._check("nvmlDeviceGetComputeRunningProcesses", handle.index)
         return [SimpleNamespace(pid=pid, usedGpuMemory=used * MiB, gpuInstanceId=0xFFFFFFFF,
                                 computeInstanceId=0xFFFFFFFF) for pid, used in self.rows[handle.index][3]]
 

@@ -134,6 +134,63 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal(no_leftovers):
     assert "SIGKILL" in str(info.value)
 
 
+def _nccl_watchdog_ends_the_stuck_ranks():
+    # What torch's default NCCL error handling does at the timeout: the watchdog thread logs (glog, on stderr) and
+    # aborts the process, no Python exception.  Ranks 0 and 2 do the same; rank 1 never joined the collective.
+    import sys
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:
+        return "finished"
+    work = "WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=3000)"
+    caught = f"[Rank {rank}] Watchdog caught collective operation timeout: {work} ran for 3012 milliseconds " \
+             f"before timing out."
+    sys.stderr.write(
+        f"[rank{rank}]:[E1130 23:50:01.426415540 ProcessGroupNCCL.cpp:632] {caught}\n"
+        f"[rank{rank}]:[E1130 23:50:01.426530781 ProcessGroupNCCL.cpp:2271] [PG ID 0 PG GUID 0(default_pg) Rank "
+        f"{rank}]  failure detected by watchdog at work sequence id: 7 PG status: last enqueued work: 7, last "
+        f"completed work: 6\n"
+        f"[rank{rank}]:[E1130 23:50:01.426601812 ProcessGroupNCCL.cpp:670] [Rank {rank}] Some NCCL operations have "
+        f"failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run "
+        f"on corrupted/incomplete data.\n"
+        f"[rank{rank}]:[E1130 23:50:01.426613005 ProcessGroupNCCL.cpp:676] [Rank {rank}] To avoid data "
+        f"inconsistency, we are taking the entire process down.\n"
+        f"terminate called after throwing an instance of 'c10::DistBackendError'\n"
+        f"  what():  [PG ID 0 PG GUID 0(default_pg) Rank {rank}] Process group watchdog thread terminated with "
+        f"exception: {caught}\n"
+        f"Exception raised from checkTimeout at /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:635\n")
+    sys.stderr.flush()
+    os.abort()
+
+
+def _aborts_without_a_word():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.abort()
+    time.sleep(30)
+
+
+def test_a_rank_ended_by_the_nccl_watchdog_is_a_timeout_not_a_crash(no_leftovers):
+    # Real processes killed by a real SIGABRT; what tells a timeout from a crash is the watchdog's line on stderr.
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_nccl_watchdog_ends_the_stuck_ranks, cpus=3)
+    err = info.value
+    assert err.failure.kind == "timeout" and err.rank in (0, 2)
+    message = str(err)
+    assert message.startswith("a collective timed out on rank(s) 0, 2: DistBackendError: collective timed out "
+                              f"(NCCL watchdog): [Rank {err.rank}] Watchdog caught collective operation timeout: "
+                              "WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=3000) ran for "
+                              "3012 milliseconds before timing out. (the watchdog then ended the rank with SIGABRT)")
+    assert "rank(s) 1 finished the cell without joining it" in message
+    assert "killed by SIGABRT" not in message
+    # Without the watchdog's line, a SIGABRT is what it is.
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_aborts_without_a_word, cpus=2)
+    assert info.value.failure.kind == "exit" and "rank 1 was killed by SIGABRT (abort or crash)" in str(info.value)
+
+
 def _seed_style_train(rank, world_size, scale):
     # As in the PyTorch tutorial and the seed recipe: the user's code sets up the group.
     import torch
@@ -145,6 +202,27 @@ def _seed_style_train(rank, world_size, scale):
     dist.all_reduce(t)
     dist.destroy_process_group()
     return t.item() * scale
+
+
+def _spawned_device(rank):
+    from ddp_notebook.rank import checkpoint, context
+
+    return rank, os.environ.get("CUDA_VISIBLE_DEVICES"), context.current().device, str(checkpoint._rank_device())
+
+
+def test_spawn_on_gpus_leaves_the_device_to_the_user_s_code_not_cpu(no_leftovers, monkeypatch):
+    import fake_nvml
+    from ddp_notebook.engine import devices as gpus
+
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.free2())  # two GPUs, as NVML would report them
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = ddp_notebook.spawn(_spawned_device, nprocs=2)
+    visible = ",".join(fake_nvml.UUIDS[:2])  # every process sees every GPU, as under mp.spawn
+    # Not "cpu": the device is the user's code's choice (checkpoint loads follow torch.cuda.current_device() once
+    # CUDA is set up; with the CPU build here, the CPU).
+    assert seen == [(0, visible, None, "cpu"), (1, visible, None, "cpu")]
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.FakeNVML(rows=[]))  # no GPU: CPU ranks, device cpu
+    assert [(d[1], str(d[2])) for d in ddp_notebook.spawn(_spawned_device, nprocs=2)] == [(None, "cpu")] * 2
 
 
 @pytest.mark.slow

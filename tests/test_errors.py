@@ -1,5 +1,5 @@
 """Which failure is the cause: the classification and blame rules, without processes."""
-from ddp_notebook.wire.errors import Failure, blame, classify
+from ddp_notebook.wire.errors import Failure, blame, classify, nccl_watchdog_timeout
 
 
 class DistBackendError(RuntimeError):  # the name torch.distributed gives its backend errors
@@ -28,3 +28,12 @@ def test_blame_prefers_real_errors_then_the_earliest_on_the_ranks_clocks():
     assert blame([lost_peer, died]) is died
     interrupted = Failure(0, "KeyboardInterrupt", "", "", time=0.5, kind="interrupted")
     assert blame([interrupted, lost_peer]) is lost_peer
+
+
+def test_only_the_nccl_watchdog_s_own_line_marks_an_abort_as_a_timeout():
+    # (The real path, a rank aborted after that line, is tests/test_core_launch.py's watchdog test.)
+    assert nccl_watchdog_timeout("") is None
+    assert nccl_watchdog_timeout("Timeout(ms)=3000\nsome collective timed out\nAborted (core dumped)\n") is None
+    line = "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2) ran for 9 milliseconds " \
+           "before timing out."
+    assert nccl_watchdog_timeout(f"[rank3]:[E1130 ProcessGroupNCCL.cpp:632] {line}\nAborted\n") == line

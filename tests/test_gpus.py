@@ -23,6 +23,11 @@ GiB = 2**30
 MiB = 2**20
 
 
+def uuids(*physical):
+    """The recorded GPUs' UUIDs: what ranks get in CUDA_VISIBLE_DEVICES."""
+    return [fake_nvml.UUIDS[i] for i in physical]
+
+
 @pytest.fixture
 def server(monkeypatch, tmp_path):
     """The recorded 8-GPU server, with no CUDA_VISIBLE_DEVICES, no default devices, and no reservations."""
@@ -50,7 +55,8 @@ def test_discovery_reads_every_gpu_of_the_recorded_server(server):
     assert found[2].jobs_text() == "1 other process"
     assert not any(p.ours for g in found for p in g.processes)  # recorded pids are not ranks of ours
     assert [g.uuid for g in found] == fake_nvml.UUIDS
-    assert [g.visible_id for g in found] == [str(i) for i in range(8)]
+    # Ranks get the UUID NVML read (exact, whatever order CUDA numbers GPUs in), not NVML's index.
+    assert [g.visible_id for g in found] == fake_nvml.UUIDS
     # NVML is opened and closed once per reading.
     assert server.calls.count("nvmlInit") == server.calls.count("nvmlShutdown") == 1
     assert server.initialised == 0
@@ -139,7 +145,8 @@ def test_torch_cuda_is_the_fallback_without_nvml(monkeypatch):
     found, source = gpus.discover_report()
     assert source == "torch.cuda, no load readings (NVML: NVML Shared Library Not Found)"
     assert [(g.index, g.name, g.visible_id, g.uuid) for g in found] == [
-        (0, "NVIDIA H200", "3", "GPU-1234abcd-0000"), (1, "NVIDIA H200", "1", "GPU-1234abcd-0001")]
+        (0, "NVIDIA H200", "GPU-1234abcd-0000", "GPU-1234abcd-0000"),
+        (1, "NVIDIA H200", "GPU-1234abcd-0001", "GPU-1234abcd-0001")]  # the UUID, not the kernel's index entry
     assert found[0].utilization == -1 and found[0].load_text() == "0.0/150 GiB, util ?"
     cuda.is_available = lambda: False
     assert gpus.discover_report() == ([], "torch.cuda sees no GPU (NVML: NVML Shared Library Not Found)")
@@ -158,19 +165,19 @@ def test_a_machine_without_driver_reports_no_gpu_and_why(monkeypatch):
 
 def test_resolve_devices_counts_lists_and_refusals(server):
     spec = job_spec.resolve_devices(3)
-    assert spec.world_size == 3 and spec.gpus == ["1", "3", "6"] and spec.backend == "nccl"
+    assert spec.world_size == 3 and spec.gpus == uuids(1, 3, 6) and spec.backend == "nccl"
     assert spec.notes == ["using the 3 least busy GPUs free of other jobs: 1 (0.0/80 GiB, 2%), 3 (0.0/80 GiB, 0%), "
                           "6 (0.5/80 GiB, 0%)"]
     spec.release_devices()
     everything = job_spec.resolve_devices("8")
-    assert everything.gpus == [str(i) for i in range(8)] and everything.notes == []
+    assert everything.gpus == fake_nvml.UUIDS and everything.notes == []
     everything.release_devices()
-    assert job_spec.resolve_devices("0,2,5").gpus == ["0", "2", "5"]
-    assert job_spec.resolve_devices("5,0").gpus == ["5", "0"]  # rank r gets the r-th listed GPU
-    assert job_spec.resolve_devices("3,").gpus == ["3"] and job_spec.resolve_devices("3,").world_size == 1
-    assert job_spec.resolve_devices([7]).gpus == ["7"]
+    assert job_spec.resolve_devices("0,2,5").gpus == uuids(0, 2, 5)
+    assert job_spec.resolve_devices("5,0").gpus == uuids(5, 0)  # rank r gets the r-th listed GPU
+    assert job_spec.resolve_devices("3,").gpus == uuids(3) and job_spec.resolve_devices("3,").world_size == 1
+    assert job_spec.resolve_devices([7]).gpus == uuids(7)
     assert job_spec.resolve_devices(2, backend="gloo").backend == "gloo"
-    assert job_spec.resolve_devices().gpus == [str(i) for i in range(8)]  # no flag, no picker: every GPU
+    assert job_spec.resolve_devices().gpus == fake_nvml.UUIDS  # no flag, no picker: every GPU
     with pytest.raises(LaunchError) as too_many:
         job_spec.resolve_devices(9)
     message = str(too_many.value)
@@ -206,11 +213,11 @@ def test_no_gpus_means_two_cpu_ranks_and_no_nccl(monkeypatch):
 def test_default_devices_from_the_picker_and_explicit_flags_win(server):
     job_spec.set_default_devices(lambda: ("gpus", [6, 1]))
     spec = job_spec.resolve_devices()
-    assert spec.gpus == ["6", "1"] and spec.backend == "nccl"
+    assert spec.gpus == uuids(6, 1) and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [6, 1]"]
     spec.release_devices()
     assert job_spec.resolve_devices(cpus=3).world_size == 3  # explicit flags win
-    assert job_spec.resolve_devices("2,").gpus == ["2"]
+    assert job_spec.resolve_devices("2,").gpus == uuids(2)
     job_spec.set_default_devices(lambda: None)  # a picker with no opinion
     assert job_spec.resolve_devices().world_size == 8
     job_spec.set_default_devices(None)
@@ -256,3 +263,101 @@ def test_other_processes_show_owner_and_command_and_unseen_ones_are_not_called_f
     unseen, idle = gpus.discover()
     assert unseen.jobs_text() == "in use by processes this machine cannot see (another container?)"
     assert idle.jobs_text() == "idle"
+
+
+def test_one_unreadable_gpu_is_skipped_with_its_reason_and_the_others_kept(server, monkeypatch):
+    # GPU 2 hidden from this container by cgroups (no handle), GPU 5 fallen off the bus (its memory reading fails).
+    fake = fake_nvml.server8(failing={2: ("nvmlDeviceGetHandleByIndex", fake_nvml.NVML_ERROR_NO_PERMISSION),
+                                      5: ("nvmlDeviceGetMemoryInfo", fake_nvml.NVML_ERROR_GPU_IS_LOST)})
+    monkeypatch.setattr(gpus, "_nvml_override", fake)
+    cuda_asked = []
+    monkeypatch.setattr(gpus, "_discover_with_torch", lambda why: cuda_asked.append(why))  # must not be reached
+    found, source = gpus.discover_report()
+    assert cuda_asked == []  # never torch.cuda (it would initialise CUDA in the kernel) for one bad device
+    assert [g.physical_index for g in found] == [0, 1, 3, 4, 6, 7]
+    assert [g.visible_id for g in found] == uuids(0, 1, 3, 4, 6, 7)
+    assert found.notes == ["GPU 2 skipped: NVML: Insufficient Permissions", "GPU 5 skipped: NVML: GPU is lost"]
+    assert source == "NVML, driver 550.54.15; GPU 2 skipped: NVML: Insufficient Permissions; " \
+                     "GPU 5 skipped: NVML: GPU is lost"
+    assert fake.initialised == 0  # closed all the same
+    assert gpus.table(found, source).splitlines()[0] == f"GPUs ({source}):"
+    # A launch says so, and uses the readable GPUs.
+    spec = job_spec.resolve_devices(2)
+    assert spec.gpus == uuids(1, 3)
+    assert spec.notes[:2] == found.notes
+    spec.release_devices()
+    # Every device unreadable: no GPU, the reasons named, still no torch.cuda.
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.FakeNVML(
+        rows=[(0, 4, 2, []), (1, 4, 0, [])],
+        failing={0: ("nvmlDeviceGetHandleByIndex", fake_nvml.NVML_ERROR_NO_PERMISSION),
+                 1: ("nvmlDeviceGetName", fake_nvml.NVML_ERROR_GPU_IS_LOST)}))
+    found, source = gpus.discover_report()
+    assert found == [] and cuda_asked == []
+    assert found.notes == ["GPU 0 skipped: NVML: Insufficient Permissions", "GPU 1 skipped: NVML: GPU is lost"]
+    with pytest.raises(LaunchError, match=r"1 GPUs asked for, but this machine has 0: no GPUs \(GPU 0 skipped: "
+                                          r"NVML: Insufficient Permissions; GPU 1 skipped: NVML: GPU is lost\)"):
+        job_spec.resolve_devices(1)
+
+
+def test_a_mig_instance_in_cuda_visible_devices_is_named_not_silently_dropped(server, monkeypatch):
+    mig = "MIG-5d3c1a2b-8e7f-5a6b-9c0d-1e2f3a4b5c6d"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    found, source = gpus.discover_report()
+    assert found == []
+    assert len(found.notes) == 1 and f"CUDA_VISIBLE_DEVICES names a MIG instance, {mig}" in found.notes[0]
+    assert source.startswith(f"NVML, driver 550.54.15; CUDA_VISIBLE_DEVICES={mig}; CUDA_VISIBLE_DEVICES names a MIG")
+    # No flag: CPU ranks, as before, but the cell is told why.
+    spec = job_spec.resolve_devices()
+    assert (spec.world_size, spec.gpus, spec.backend) == (2, None, "gloo")
+    assert spec.notes == found.notes + ["no GPU to use: running 2 CPU ranks (gloo)"]
+    # GPUs asked for: refused, naming the MIG entry.
+    with pytest.raises(LaunchError, match=f"this machine has 0: no GPUs \\(CUDA_VISIBLE_DEVICES names a MIG "
+                                          f"instance, {mig}"):
+        job_spec.resolve_devices(1)
+    with pytest.raises(LaunchError, match=f"nccl backend needs GPUs, and this machine has none: .*{mig}"):
+        job_spec.resolve_devices(backend="nccl")
+    # Whole GPUs before it are used; the MIG entry and what follows are named.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"3,{mig},1")
+    found = gpus.discover()
+    assert [g.physical_index for g in found] == [3] and mig in found.notes[0]
+
+
+def test_the_torch_fallback_keeps_mig_uuids_as_they_are(monkeypatch):
+    mig = "MIG-5d3c1a2b-8e7f-5a6b-9c0d-1e2f3a4b5c6d"
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.no_driver())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    # torch's uuid of a MIG device carries no prefix: it must not become "GPU-...".
+    props = types.SimpleNamespace(name="NVIDIA A100-SXM4-80GB MIG 1g.10gb", total_memory=10 * GiB,
+                                  uuid=mig[len("MIG-"):])
+    cuda = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1,
+                                 get_device_properties=lambda i: props)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    found, source = gpus.discover_report()
+    assert [(g.uuid, g.visible_id, g.lock_name) for g in found] == [(mig, mig, mig)]
+    assert found.notes == [f"GPU 0 is a MIG instance ({mig}): one rank at most (NCCL does not join instances)"]
+    assert source.endswith(found.notes[0])
+
+
+def test_kernel_indices_counted_fastest_first_on_mixed_models_are_flagged(server, monkeypatch):
+    names = ["NVIDIA A100-SXM4-80GB"] * 4 + ["NVIDIA H100 80GB HBM3"] * 4
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.server8(names=names))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,2")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)  # CUDA's default: FASTEST_FIRST
+    found = gpus.discover()
+    assert [g.physical_index for g in found] == [5, 2]
+    assert len(found.notes) == 1 and "CUDA_VISIBLE_DEVICES=5,2 gives indices, which CUDA counts fastest first" \
+        in found.notes[0] and "set CUDA_DEVICE_ORDER=PCI_BUS_ID, or give GPU UUIDs" in found.notes[0]
+    assert job_spec.resolve_devices("0,").notes == found.notes
+    # PCI bus order in the kernel, UUID entries, or one model: the reading is exact, nothing to say.
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert gpus.discover().notes == []
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(uuids(5, 2)))
+    assert gpus.discover().notes == []
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.server8())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,2")
+    assert gpus.discover().notes == []
+    # Without CUDA_VISIBLE_DEVICES, the table's numbers are nvidia-smi's: said where the kernel's may differ.
+    monkeypatch.setattr(gpus, "_nvml_override", fake_nvml.server8(names=names))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "GPU numbers here are nvidia-smi's" in gpus.discover().notes[0]

@@ -39,15 +39,15 @@ def test_picker_on_the_8_gpu_server_ticks_free_gpus_and_feeds_the_launcher(clean
     assert "NVML, driver 550.54.15" in panel.header.value
 
     spec = job_spec.resolve_devices()
-    assert spec.gpus == ["1", "3", "6"] and spec.world_size == 3 and spec.backend == "nccl"
+    assert spec.gpus == [fake_nvml.UUIDS[i] for i in (1, 3, 6)] and spec.world_size == 3 and spec.backend == "nccl"
     assert spec.notes == ["using the gpus chosen in the GPU picker: [1, 3, 6]"]
     spec.release_devices()  # (its job ended)
     panel.checkboxes[6].value = False
     panel.checkboxes[0].value = True
-    assert job_spec.resolve_devices().gpus == ["0", "1", "3"]
+    assert job_spec.resolve_devices().gpus == [fake_nvml.UUIDS[i] for i in (0, 1, 3)]
     assert "<b>3 ranks</b> on GPU 0, 1, 3" in panel.summary.value
     assert job_spec.resolve_devices(cpus=2).gpus is None  # explicit flags win
-    assert job_spec.resolve_devices(2).gpus == ["1", "3"]
+    assert job_spec.resolve_devices(2).gpus == [fake_nvml.UUIDS[i] for i in (1, 3)]
 
     for box in panel.checkboxes.values():
         box.value = False

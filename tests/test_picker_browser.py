@@ -28,7 +28,8 @@ def _write_notebook(path: str) -> None:
         "gpus._nvml_override = fake_nvml.server8()  # the recorded 8x A100 server\n"
         "%load_ext ddp_notebook",
         "%ddp_gpus",
-        "spec = job_spec.resolve_devices()\nprint('DEFAULT', spec.world_size, ','.join(spec.gpus), spec.backend)",
+        "spec = job_spec.resolve_devices()  # ranks get GPU UUIDs: shown as the recorded GPUs' indices\n"
+        "print('DEFAULT', spec.world_size, ','.join(str(fake_nvml.UUIDS.index(g)) for g in spec.gpus), spec.backend)",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

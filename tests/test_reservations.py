@@ -67,11 +67,11 @@ def test_another_process_s_gpu_is_refused_by_name_shared_with_force_and_skipped_
             job_spec.resolve_devices("1,3")
         assert reservations.holders([fake_nvml.UUIDS[3]])[fake_nvml.UUIDS[3]] is None  # all or nothing
         shared = job_spec.resolve_devices("1,3", force=True)
-        assert shared.gpus == ["1", "3"] and f"(pid {other.pid})" in shared.notes[0]
+        assert shared.gpus == [fake_nvml.UUIDS[1], fake_nvml.UUIDS[3]] and f"(pid {other.pid})" in shared.notes[0]
         assert shared.reservation.uuids == [fake_nvml.UUIDS[3]]  # the one it could take
         shared.release_devices()
         counted = job_spec.resolve_devices(2)  # the least busy are 3 and 1; 1 is taken: 3 and 6
-        assert counted.gpus == ["3", "6"] and "free of other jobs" in counted.notes[0]
+        assert counted.gpus == [fake_nvml.UUIDS[3], fake_nvml.UUIDS[6]] and "free of other jobs" in counted.notes[0]
         assert reservations.holders([fake_nvml.UUIDS[3]])[fake_nvml.UUIDS[3]].pid == os.getpid()
         counted.release_devices()
         assert reservations.holders([fake_nvml.UUIDS[3]])[fake_nvml.UUIDS[3]] is None
@@ -159,7 +159,8 @@ def test_two_kernels_racing_for_one_gpu_get_different_gpus_50_times(tmp_path):
         outs = [_reply(kc, msg_id) for kc, msg_id in zip((first, second), ids)]
     took = [json.loads(re.search(r"TOOK (.*)", out).group(1)) for out in outs]
     assert len(took[0]) == len(took[1]) == 50, outs
-    assert all({a, b} == {"0", "1"} for a, b in zip(*took)), took  # (GPU indices: what the ranks are given)
+    # (GPU UUIDs: what the ranks are given)
+    assert all({a, b} == {fake_nvml.UUIDS[0], fake_nvml.UUIDS[1]} for a, b in zip(*took)), took
 
 
 HOLD = """
@@ -190,7 +191,7 @@ def test_wait_takes_a_gpu_once_released_is_interruptible_and_a_killed_kernel_fre
         mine.release()
         mine, taken = reservations.reserve([both[0]])  # GPU 1 alone comes free
         out = said + _reply(kc, msg_id)
-        assert "GPUs free after" in out and "HOLDS 1" in out, out
+        assert "GPUs free after" in out and f"HOLDS {fake_nvml.UUIDS[1]}" in out, out
         assert reservations.holders([both[1]])[both[1]].pid == km.provisioner.process.pid
 
         # Waiting for a second GPU (both held), then interrupted: nothing taken, no ticket left behind.
@@ -225,7 +226,8 @@ def test_wait_and_force_flags_are_checked_before_anything_starts(no_leftovers):
             # --force shares it; the ranks then start (and, with the CPU build of torch here, say so clearly).
             out = _reply(kc, kc.execute("%%ddp --gpus 0, --force --backend gloo\nprint('RAN')"))
             assert "sharing with another kernel's job (--force)" in out
-            assert "the job was given GPU 0, but this torch is built without CUDA" in out, out
+            assert f"the job was given a GPU (CUDA_VISIBLE_DEVICES={fake_nvml.UUIDS[0]}), but this torch is built " \
+                   "without CUDA" in out, out
         finally:
             _end(other)
 

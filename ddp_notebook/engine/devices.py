@@ -1,11 +1,15 @@
 """GPU discovery: which GPUs this kernel may use, how busy they are, and who runs on them.
 
 NVML (nvidia-ml-py) answers without touching CUDA, so the kernel stays free to
-launch ranks; torch.cuda is the fallback only when NVML is missing.  Indices
-are those the kernel sees: an existing ``CUDA_VISIBLE_DEVICES`` (indices or
-GPU UUIDs) is respected and numbered from 0 in its order, and ranks get the
-matching physical ids with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's order), so
-the GPU picked is the GPU used.
+launch ranks; torch.cuda is the fallback only when NVML itself is missing or
+fails (a device NVML cannot read is skipped, with the reason, and the others
+kept).  Indices are those the kernel sees: an existing ``CUDA_VISIBLE_DEVICES``
+(indices or GPU UUIDs) is respected and numbered from 0 in its order; without
+it, NVML's (nvidia-smi's) numbers.  Ranks get each GPU's UUID in their
+``CUDA_VISIBLE_DEVICES`` (the physical index only where NVML gave no UUID, with
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``, NVML's order), so the GPU picked is the GPU
+used whatever order CUDA numbers them in.  MIG instances are not used: a
+``MIG-`` entry ends the list, and discovery says so (:attr:`Inventory.notes`).
 
 No widget or IPython imports here: the terminal (``python -m ddp_notebook
 gpus``) and the launcher use this module too.
@@ -107,6 +111,15 @@ class GPU:
         return "; ".join(parts) if parts else "idle"
 
 
+class Inventory(list):
+    """The GPUs discovery found (a list of :class:`GPU`), and in ``notes`` what a user should know about the rest:
+    devices NVML could not read, ``CUDA_VISIBLE_DEVICES`` entries not used, numbering that may differ from CUDA's."""
+
+    def __init__(self, gpus=(), notes=()):
+        super().__init__(gpus)
+        self.notes: list[str] = list(notes)
+
+
 def _short(command: str, width: int = 40) -> str:
     return command if len(command) <= width else command[:width - 1] + "…"
 
@@ -134,18 +147,31 @@ def _visible_entries() -> list[str] | None:
     return [v.strip() for v in value.split(",")]
 
 
-def _apply_visible(found: list[GPU], entries: list[str] | None) -> list[GPU]:
-    """The GPUs CUDA shows under ``CUDA_VISIBLE_DEVICES``, renumbered from 0.
+def _apply_visible(found: list[GPU], entries: list[str] | None, notes: list[str] | None = None) -> list[GPU]:
+    """The GPUs CUDA shows under ``CUDA_VISIBLE_DEVICES``, renumbered from 0; ``notes`` gets what was not used.
 
     As CUDA does: entries are physical indices or (prefixes of) ``GPU-`` UUIDs,
     and the list ends at the first entry that names no GPU (so ``-1`` or an
-    empty value hides every GPU).
+    empty value hides every GPU).  A ``MIG-`` entry (a MIG instance) ends it
+    too, and is named in ``notes``: ranks run on whole GPUs only.
     """
+    notes = [] if notes is None else notes
+    order_by_speed = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") != "PCI_BUS_ID"
+    mixed_models = len({g.name for g in found}) > 1
     if entries is None:
+        if order_by_speed and mixed_models:
+            notes.append("GPU numbers here are nvidia-smi's (PCI bus order); this kernel's torch.cuda numbers these "
+                         "different GPU models fastest first (CUDA_DEVICE_ORDER is not PCI_BUS_ID), so its cuda:N "
+                         "may be another GPU (ranks get GPU UUIDs: the GPU picked here is the GPU used)")
         return found
     chosen: list[GPU] = []
     for entry in entries:
         match = None
+        if entry.upper().startswith("MIG-"):
+            notes.append(f"CUDA_VISIBLE_DEVICES names a MIG instance, {entry}: ddp_notebook runs ranks on whole "
+                         f"GPUs only (one CUDA process sees one MIG instance, and NCCL does not join instances), so "
+                         f"it and the entries after it are not used")
+            break
         if entry.isdigit():
             match = next((g for g in found if g.physical_index == int(entry)), None)
         elif entry.startswith("GPU-") and len(entry) > 4:
@@ -154,9 +180,13 @@ def _apply_visible(found: list[GPU], entries: list[str] | None) -> list[GPU]:
         if match is None or match in chosen:
             break
         chosen.append(match)
+    if order_by_speed and mixed_models and any(e.isdigit() for e in entries[:len(chosen)]):
+        notes.append(f"CUDA_VISIBLE_DEVICES={','.join(entries)} gives indices, which CUDA counts fastest first "
+                     f"(CUDA_DEVICE_ORDER is not PCI_BUS_ID) and this machine has different GPU models: they were "
+                     f"read in PCI bus order (nvidia-smi's) and may name other GPUs than this kernel's CUDA uses; "
+                     f"set CUDA_DEVICE_ORDER=PCI_BUS_ID, or give GPU UUIDs")
     for i, gpu in enumerate(chosen):
         gpu.index = i
-        gpu.visible_id = gpu.uuid or str(gpu.physical_index)
     return chosen
 
 
@@ -230,8 +260,11 @@ def _processes(nvml, handle) -> list[GPUProcess]:
     return list(found.values())
 
 
-def _discover_with_nvml(nvml) -> tuple[list[GPU], str]:
+def _discover_with_nvml(nvml) -> tuple[list[GPU], str, list[str]]:
+    """Every GPU NVML can read; one it cannot (no permission: a GPU hidden by cgroups; a GPU lost) is skipped and
+    named in the notes, and the others are kept.  Raises only when NVML itself fails (init, the device count)."""
     nvml.nvmlInit()
+    skipped = []
     try:
         try:
             driver = _text(nvml.nvmlSystemGetDriverVersion())
@@ -239,8 +272,13 @@ def _discover_with_nvml(nvml) -> tuple[list[GPU], str]:
             driver = "?"
         found = []
         for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                name = _text(nvml.nvmlDeviceGetName(handle))
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:  # NVMLError: NO_PERMISSION, GPU_IS_LOST, ...
+                skipped.append(f"GPU {i} skipped: NVML: {_text(exc) or type(exc).__name__}")
+                continue
             try:
                 util = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except Exception:
@@ -250,63 +288,69 @@ def _discover_with_nvml(nvml) -> tuple[list[GPU], str]:
             except Exception:
                 uuid = ""
             found.append(GPU(
-                index=i, name=_text(nvml.nvmlDeviceGetName(handle)), memory_used=int(mem.used),
-                memory_total=int(mem.total), utilization=util, visible_id=str(i), uuid=uuid,
-                processes=_processes(nvml, handle), physical_index=i,
+                index=i, name=name, memory_used=int(mem.used), memory_total=int(mem.total), utilization=util,
+                # The UUID is exact whatever order CUDA numbers GPUs in; the index only with PCI_BUS_ID.
+                visible_id=uuid or str(i), uuid=uuid, processes=_processes(nvml, handle), physical_index=i,
             ))
     finally:
         try:
             nvml.nvmlShutdown()
         except Exception:
             pass
-    return found, f"NVML, driver {driver}"
+    return found, f"NVML, driver {driver}", skipped
 
 
-def discover_report() -> tuple[list[GPU], str]:
-    """The GPUs this kernel may use, and where the answer came from (or why there is none)."""
+def discover_report() -> tuple[Inventory, str]:
+    """The GPUs this kernel may use, and where the answer came from (or why there is none), with the notes."""
     try:
         nvml = _nvml()
     except ImportError:
         nvml, nvml_error = None, "nvidia-ml-py is not installed"
     if nvml is not None:
         try:
-            found, source = _discover_with_nvml(nvml)
+            found, source, notes = _discover_with_nvml(nvml)
         except Exception as exc:  # no driver, no library, no permission
             nvml_error = f"NVML: {_text(exc) or type(exc).__name__}"
         else:
             entries = _visible_entries()
-            found = _apply_visible(found, entries)
+            found = _apply_visible(found, entries, notes)
             if entries is not None:
                 source += f"; CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
-            return found, source
+            return Inventory(found, notes), "; ".join([source] + notes)
     return _discover_with_torch(nvml_error)
 
 
-def discover() -> list[GPU]:
-    """The GPUs this kernel may use, numbered as CUDA numbers them here."""
+def discover() -> Inventory:
+    """The GPUs this kernel may use, numbered as CUDA numbers them here (``.notes``: what else to know)."""
     return discover_report()[0]
 
 
-def _discover_with_torch(why_not_nvml: str) -> tuple[list[GPU], str]:
+def _discover_with_torch(why_not_nvml: str) -> tuple[Inventory, str]:
     torch = sys.modules.get("torch")
     if torch is None:
         # Without NVML and without torch already loaded: look for the driver
         # before paying for `import torch` in the notebook.
         if not os.path.exists("/dev/nvidiactl") and not os.path.exists("/proc/driver/nvidia"):
-            return [], f"no NVIDIA driver ({why_not_nvml})"
+            return Inventory(), f"no NVIDIA driver ({why_not_nvml})"
         import torch
     if not torch.cuda.is_available():
-        return [], f"torch.cuda sees no GPU ({why_not_nvml})"
+        return Inventory(), f"torch.cuda sees no GPU ({why_not_nvml})"
     entries = _visible_entries()
-    gpus = []
+    gpus, notes = Inventory(), []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
+        entry = entries[i] if entries and i < len(entries) else ""
         uuid = str(getattr(props, "uuid", "") or "")
-        if uuid and not uuid.startswith("GPU-"):
+        if entry.upper().startswith("MIG-"):
+            uuid = entry  # a MIG instance: its own UUID, never GPU-...
+            notes.append(f"GPU {i} is a MIG instance ({entry}): one rank at most (NCCL does not join instances)")
+        elif uuid and not uuid.startswith(("GPU-", "MIG-")):
             uuid = f"GPU-{uuid}"
-        visible = entries[i] if entries and i < len(entries) else (uuid or str(i))
+        # The UUID is exact; an index entry of the kernel's could be counted in another order than the ranks'.
+        visible = entry if uuid == entry else (uuid or entry or str(i))
         gpus.append(GPU(i, props.name, 0, int(props.total_memory), -1, visible, uuid))
-    return gpus, f"torch.cuda, no load readings ({why_not_nvml})"
+    gpus.notes = notes
+    return gpus, "; ".join([f"torch.cuda, no load readings ({why_not_nvml})"] + notes)
 
 
 def least_busy(gpus: list[GPU], n: int) -> list[GPU]:
@@ -317,7 +361,8 @@ def least_busy(gpus: list[GPU], n: int) -> list[GPU]:
 def describe(gpus: list[GPU]) -> str:
     """One line for messages: ``0: NVIDIA A100 (71.2/80 GiB, 97%), 1: ...``."""
     if not gpus:
-        return "no GPUs"
+        notes = getattr(gpus, "notes", [])
+        return f"no GPUs ({'; '.join(notes)})" if notes else "no GPUs"
     return ", ".join(f"{g.index}: {g.name} ({g.load_text()})" for g in gpus)
 
 

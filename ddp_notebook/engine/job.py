@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..wire import payload, protocol
-from ..wire.errors import Failure, JobStopped, RankError, blame
+from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_timeout
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
 from . import stacks
@@ -31,6 +31,7 @@ from .spec import JobSpec
 
 log = logging.getLogger("ddp_notebook")
 Listener = Callable[["Job", str, int, dict], None]
+WATCHDOG_TAIL = 64 << 10  # how much of a rank's last output is searched for the NCCL watchdog's timeout message
 
 _last_job: "Job | None" = None
 # For %ddp_jobs. Weak: a running job is held by its thread, an ended one only by whoever still uses it.
@@ -307,8 +308,15 @@ class Job(EventSource):
                 and not self._finishing:
             if code is not None:
                 self._exit_how[rank] = signal_name(code) if code < 0 else f"exit code {code}"
-            self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
-                                      "exit"))
+            watchdog = nccl_watchdog_timeout(self.relay.log(rank)[-WATCHDOG_TAIL:]) \
+                if code in (-signal.SIGABRT, 128 + signal.SIGABRT) else None
+            if watchdog:  # NCCL's watchdog ended the rank at the timeout: a collective timed out, not a crash
+                self._add_failure(Failure(rank, "DistBackendError", f"collective timed out (NCCL watchdog): "
+                                          f"{watchdog} (the watchdog then ended the rank with SIGABRT)", "",
+                                          time.time(), "timeout"))
+            else:
+                self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
+                                          "exit"))
         self.emit(protocol.EXITED, rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
@@ -352,7 +360,7 @@ class Job(EventSource):
         if cause.kind == "timeout":
             finished = sorted(self._results)
             note = f"ranks {', '.join(map(str, timed_out))} were stuck in a collective until the timeout " \
-                   f"({self.spec.timeout} s)"
+                   f"({f'{self.spec.timeout} s' if self.spec.timeout else 'torch default'})"
             if finished:
                 note += f"; rank(s) {', '.join(map(str, finished))} finished the cell without joining it"
             elif len(timed_out) < len(self.targets):

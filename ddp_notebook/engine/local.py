@@ -48,6 +48,7 @@ class LocalRanks(ChannelRanks):
             "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
             # spawn() leaves devices to the user's code, as mp.spawn does: no set_device for it.
             "gpus": spec.gpus is not None and spec.init_group, "backend": spec.backend, "init_group": spec.init_group,
+            "user_picks_gpu": spec.gpus is not None and not spec.init_group,
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
             "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
         }

@@ -111,11 +111,16 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
             raise LaunchError("the nccl backend needs GPUs; CPU ranks use gloo")
         return JobSpec(world_size=cpus, backend="gloo", notes=notes)
     available = gpu_discovery.discover()
+    unused = getattr(available, "notes", [])  # GPUs skipped or not used, and why
+    notes.extend(unused)
     reservation = None
     if gpus is None:
         if not available:
             if backend == "nccl":
-                raise LaunchError("the nccl backend needs GPUs, and this machine has none")
+                raise LaunchError(f"the nccl backend needs GPUs, and this machine has none"
+                                  f"{': ' + '; '.join(unused) if unused else ''}")
+            if unused:
+                notes.append(f"no GPU to use: running {DEFAULT_CPU_RANKS} CPU ranks (gloo)")
             return JobSpec(world_size=DEFAULT_CPU_RANKS, backend="gloo", notes=notes)
         chosen_gpus, reservation = _reserve_count(available, None, notes)
     else:

@@ -16,7 +16,7 @@ class RankContext:
     local_rank: int
     world_size: int
     local_world_size: int
-    device: Any = None  # torch.device, set once torch is imported
+    device: Any = None  # torch.device, set once torch is imported; None in spawn() on GPUs (the user's code picks)
     sender: Any = None  # channel.Sender to the notebook, None under plain torchrun
     extra: dict = field(default_factory=dict)
 

@@ -84,7 +84,8 @@ def set_device(ctx: context.RankContext, gpus: bool, index: int | None = None) -
         index = ctx.local_rank if index is None else index
         if not torch.cuda.is_available():
             why = "this torch is built without CUDA" if torch.version.cuda is None else "CUDA finds no GPU here"
-            raise RuntimeError(f"the job was given GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '?')}, but {why} "
+            given = os.environ.get("CUDA_VISIBLE_DEVICES", "?")
+            raise RuntimeError(f"the job was given a GPU (CUDA_VISIBLE_DEVICES={given}), but {why} "
                                f"(torch {torch.__version__}); run it with --cpus N, or install a CUDA build of torch")
         torch.cuda.set_device(index)
         ctx.device = torch.device("cuda", index)
@@ -114,7 +115,13 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
 
     import torch.distributed as dist
 
-    set_device(ctx, boot["gpus"])
+    if boot.get("user_picks_gpu"):
+        # spawn() on GPUs: as under mp.spawn, the user's code picks its GPU; the rank's device is not known (not
+        # "cpu"), so checkpoint loads follow torch.cuda.current_device() once the user's code has set it.
+        ctx.device = None
+        sharing.set_rank_device(None)
+    else:
+        set_device(ctx, boot["gpus"])
     if not boot["init_group"]:
         return
     startup = datetime.timedelta(seconds=boot["startup_timeout"])

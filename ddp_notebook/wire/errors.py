@@ -16,6 +16,11 @@ _COMM_PATTERNS = re.compile(
     re.IGNORECASE,
 )
 _TIMEOUT_PATTERNS = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+# What ProcessGroupNCCL's watchdog logs (LOG(ERROR), on stderr) before it takes the process down with SIGABRT under
+# torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (3: tear down without aborting the communicator; 1: with):
+#   [rank0]:[E1218 20:27:21.426 ProcessGroupNCCL.cpp:629] [Rank 0] Watchdog caught collective operation timeout:
+#   WorkNCCL(SeqNum=1, OpType=ALLREDUCE, ..., Timeout(ms)=600000) ran for 600081 milliseconds before timing out.
+_NCCL_WATCHDOG = re.compile(r"(?:\[(?:PG [^\]]*)?Rank \d+\] )?Watchdog caught collective operation timeout:[^\n]*")
 
 
 class DDPNotebookError(Exception):
@@ -107,6 +112,17 @@ def classify(exc: BaseException) -> str:
     if _TIMEOUT_PATTERNS.search(text) and not _COMM_PATTERNS.search(text):
         return "timeout"
     return "comm"
+
+
+def nccl_watchdog_timeout(output: str) -> str | None:
+    """The NCCL watchdog's timeout message in a rank's output (its last), or None.
+
+    Under torch's default NCCL error handling the watchdog thread aborts the rank (SIGABRT) at the timeout, so no
+    Python exception is raised: a rank killed by SIGABRT whose output ends with this message timed out in a
+    collective; it did not crash.
+    """
+    found = _NCCL_WATCHDOG.findall(output)
+    return found[-1].strip() if found else None
 
 
 def format_exception(exc: BaseException, labels: dict[str, str] | None = None) -> str:

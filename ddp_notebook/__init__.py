@@ -66,7 +66,9 @@ def __getattr__(name):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext ddp_notebook``: register the ``%%ddp`` magics."""
+    """``%load_ext ddp_notebook``: register the ``%%ddp`` magics and start the rank template in the background."""
+    from .engine import template
     from .notebook.magic import register
 
     register(ipython)
+    template.warm_up()  # ranks fork from it: the first cell need not wait for torch to import

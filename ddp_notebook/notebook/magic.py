@@ -18,6 +18,7 @@ from ..engine import export as exporting
 from ..engine import job as engine_job
 from ..engine import pool as pool_module
 from ..engine import spec as job_spec
+from ..engine import template as rank_template
 from ..wire import payload
 from ..wire.errors import LaunchError, RankError
 from . import dashboard
@@ -310,7 +311,8 @@ class DDPMagics(Magics):
 
     @line_magic
     def ddp_stop(self, line: str):
-        """End the warm pool's ranks and remove what they left."""
+        """End the warm pool's ranks and remove what they left, and stop the rank template."""
+        rank_template.stop()  # the next cold job starts a new one
         warm = pool_module.current()
         if warm is None:
             print("no warm pool is up")

@@ -233,7 +233,7 @@ def bench_memory(reps: int, nbytes: int, work: str, timing_runs: bool = True, sh
             # Twice: with the sampler for the peak, without it for the time to the first batch (on a
             # small machine the sampler's reads of smaps_rollup take CPU from the ranks).
             # Three timing runs (one of the slow plain-cloudpickle one): a single start-up is noisy.
-            timed = (1 if mode == "naive" else 3) if timing_runs else 0
+            timed = (1 if mode == "naive" or shape == "small" else 3) if timing_runs else 0
             for sampling in (True,) + (False,) * timed:
                 notebook = subprocess.Popen([PY, WORKLOADS, "memory", mode, str(nbytes), out, shape],
                                             env=_env(TMPDIR=work), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -431,7 +431,7 @@ def main() -> None:
                         default=int(os.environ.get("DDP_NOTEBOOK_BENCH_REPEATS", DEFAULT_REPEATS)),
                         help="runs of each launch contender (throughput and memory scale with it)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and one run each: checks it all runs")
-    parser.add_argument("--only", default="launch,throughput,memory,dump_load,report",
+    parser.add_argument("--only", default="launch,throughput,memory,memory_small,dump_load,report",
                         help="comma-separated sections")
     parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     args = parser.parse_args()
@@ -453,6 +453,7 @@ def main() -> None:
         if "memory" in sections:
             print("memory ...", file=sys.stderr)
             r["memory"] = bench_memory(1 if args.smoke else max(1, reps // 5), nbytes, work, not args.smoke)
+        if "memory_small" in sections:
             print("memory, small samples ...", file=sys.stderr)
             r["memory_small"] = bench_memory(1 if args.smoke else max(1, reps // 5), nbytes, work, not args.smoke,
                                              shape="small")

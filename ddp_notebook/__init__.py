@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging as _logging
 import os as _os
 
-from .rank.context import current as rank_context
+from .rank.context import attempt, current as rank_context
 from .wire.errors import DDPNotebookError, JobStopped, LaunchError, RankError
 from .rank.metrics import Sum, progress, report
+from .rank.stopping import should_stop
 from .version import __version__
 
 if _os.environ.get("DDP_NOTEBOOK_DEBUG", "").strip() not in ("", "0"):
@@ -21,8 +22,8 @@ if _os.environ.get("DDP_NOTEBOOK_DEBUG", "").strip() not in ("", "0"):
 
 __all__ = [
     "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "JobStopped", "DDPNotebookError",
-    "rank_context", "load_ipython_extension",
-    "report", "progress", "Sum",
+    "rank_context", "attempt", "resume", "load_ipython_extension",
+    "report", "progress", "Sum", "should_stop",
     "gpu_picker", "export", "follow",
     "distributed_loader", "all_reduce_metrics", "save_checkpoint", "load_checkpoint", "BestCheckpoint",
     "clean_state_dict", "unwrap_model",
@@ -30,7 +31,7 @@ __all__ = [
 
 # Rank-side helpers that import torch: loaded on first use, never by importing the package.
 _DATA_NAMES = ("distributed_loader", "all_reduce_metrics", "DistributedLoader", "ExactDistributedSampler", "ShardSampler")
-_CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "BestCheckpoint", "LoadedCheckpoint", "ResumeWarning",
+_CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "resume", "BestCheckpoint", "LoadedCheckpoint", "ResumeWarning",
                      "clean_state_dict", "unwrap_model")
 
 

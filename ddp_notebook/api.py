@@ -9,19 +9,21 @@ import sys
 from typing import Any, Callable
 
 from .engine import devices as gpu_discovery
-from .engine import multinode, pool
+from .engine import multinode, pool, slurm
 from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay
-from .engine.spec import JobSpec, check_options, resolve_devices
+from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
 from .wire import payload
+from .wire.errors import LaunchError
 
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
            port: int | None = None, seed: int | None = None, backend: str | None = None,
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
-           nnodes: int = 1, master_addr: str | None = None, export: str | None = None) -> Any:
+           nnodes: int = 1, master_addr: str | None = None, export: str | None = None, executor: Any = None,
+           detach: bool = False, max_restarts: int = 0, log_dir: str | None = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -33,22 +35,36 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     that many hosts, with the master at ``master_addr:port``; the call is
     exported to the script ``export`` (default ``ddp_node_job.py``), which the
     other hosts run with torchrun (the command is printed).
+
+    ``executor`` (a submitit executor for Slurm): the ranks are the tasks of a
+    Slurm job with its parameters (nodes × tasks per node ranks).  With
+    ``detach=True`` the job is left to run on its own and its handle returned
+    at once; ``ddp_notebook.follow(handle.folder)`` shows it from any kernel.
+
+    ``max_restarts=N``: when a rank fails, every rank is stopped and ``fn`` runs again on fresh ranks, up to N
+    times (``ddp_notebook.attempt()`` and ``ddp_notebook.resume()`` in the ranks).  ``log_dir``: every rank's
+    complete output also goes to ``log_dir/rank<N>.log`` (``job.logs(rank)`` keeps the newest 16 MB in memory).
     """
-    check_options(port, seed, timeout)
+    check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
-    warm = warm_pool_for(gpus, cpus, nnodes)
+    if detach and executor is None:
+        raise LaunchError("detach=True leaves a Slurm job running on its own: it goes with executor=")
+    warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
-                master_addr=master_addr, export=export)
+                master_addr=master_addr, export=export, executor=executor)
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
-    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background))
+    if detach:
+        return submit_detached(spec, task)
+    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
+                                max_restarts=max_restarts, log_dir=log_dir))
     return job.run_in_background() if background else job.result()
 
 
 def warm_pool_for(gpus: Any = None, cpus: int | None = None, nnodes: int = 1,
-                  export_only: bool = False) -> pool.Pool | None:
+                  export_only: bool = False, executor: Any = None) -> pool.Pool | None:
     """The warm pool that runs a job asking for these devices: the running one when none are named, on one host,
-    for a run (an export only writes files); else None."""
-    if gpus is None and cpus is None and nnodes == 1 and not export_only:
+    for a run (an export only writes files, an executor's job runs on Slurm); else None."""
+    if gpus is None and cpus is None and nnodes == 1 and not export_only and executor is None:
         return pool.current()
     return None
 
@@ -56,10 +72,14 @@ def warm_pool_for(gpus: Any = None, cpus: int | None = None, nnodes: int = 1,
 def plan(warm: pool.Pool | None, *, gpus: Any = None, cpus: int | None = None, backend: str | None = None,
          port: int | None = None, seed: int | None = None, timeout: float | None = None, nnodes: int = 1,
          node_rank: int | None = 0, master_addr: str | None = None, export: str | None = None,
-         output_ranks: set[int] | None = None) -> JobSpec:
+         output_ranks: set[int] | None = None, executor: Any = None) -> JobSpec:
     """Where and how a job runs: on ``warm`` (the warm pool, which refuses options it cannot honour), on fresh
-    ranks of the devices asked for, or with ``nnodes > 1`` as node 0 of several hosts.  Refuses with LaunchError
-    before anything starts; shared by ``%%ddp`` and :func:`launch`."""
+    ranks of the devices asked for, with ``nnodes > 1`` as node 0 of several hosts, or with ``executor`` as the
+    tasks of a Slurm job.  Refuses with LaunchError before anything starts; shared by ``%%ddp`` and
+    :func:`launch`."""
+    if executor is not None:
+        return slurm.slurm_spec(executor, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed,
+                                timeout=timeout, nnodes=nnodes, output_ranks=output_ranks)
     if warm is not None:
         warm.refuse_job_options(port=port, timeout=timeout, backend=backend)
         return warm.spec_for(seed, output_ranks)
@@ -68,6 +88,11 @@ def plan(warm: pool.Pool | None, *, gpus: Any = None, cpus: int | None = None, b
     if nnodes != 1:
         spec = multinode.node_spec(spec, nnodes, node_rank, master_addr, export)
     return spec
+
+
+def submit_detached(spec: JobSpec, task: Any) -> slurm.DetachedJob:
+    """Submit the task as a Slurm job of ``spec.executor`` that runs on its own (``--detach``); its handle."""
+    return slurm.submit_detached(spec, task)
 
 
 def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
@@ -109,24 +134,29 @@ class SpawnContext:
 
 
 def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
-                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False) -> Job:
+                relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False,
+                max_restarts: int = 0, log_dir: str | None = None) -> Job:
     """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.
 
     ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
     arrays (copied) rather than the notebook's own pages (moved, which only a waiting notebook allows).
     """
+    log_dir = prepare_log_dir(log_dir)
     warm = pool.current() if on_pool else None
-    # several hosts: exported when the job starts
-    data = task if spec.nnodes > 1 else payload.dumps(task, snapshot=background)
+    # several hosts, or a Slurm job: exported when the job starts
+    data = task if spec.nnodes > 1 or spec.executor is not None else payload.dumps(task, snapshot=background)
     try:
         if warm is not None:
-            job = warm.job(data, spec, targets, relay)
-        else:  # fresh ranks of this host, or this host as node 0 of several under a torchrun agent
-            job = Job(spec, data, relay=relay, backend=multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks)
+            job = warm.job(data, spec, targets, relay, max_restarts=max_restarts)
+        else:  # fresh ranks: of this host, of this host as node 0 of several hosts, or of a Slurm job
+            backend = slurm.SlurmRanks if spec.executor is not None else \
+                multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks
+            job = Job(spec, data, relay=relay, backend=backend, max_restarts=max_restarts)
     except BaseException:
         payload.release(data)
         raise
     job.callbacks = list(callbacks)
+    job.relay.log_dir = log_dir
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
     return job

@@ -176,7 +176,9 @@ def test_in_a_rank_the_loader_sends_its_progress_to_the_notebook(monkeypatch):
         assert len(loader) == 6  # rank 1's share: 501 of 1,001 samples
         for batch_number, _ in enumerate(loader, start=1):  # sent as each batch is handed out, not at the end
             assert sender.sent[-1] == ("progress", {"done": batch_number - 1, "total": 6})
-        assert sender.sent == [("progress", {"done": done, "total": 6}) for done in range(7)]
+        # first, once per task: the loader checks for a graceful stop (docs/long-runs.md)
+        assert sender.sent == [("stoppable", {"task": None})] + \
+            [("progress", {"done": done, "total": 6}) for done in range(7)]
         sender.sent.clear()
         list(ddp_notebook.distributed_loader(dataset, batch_size=100, progress=False))
         assert sender.sent == []

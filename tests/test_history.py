@@ -129,3 +129,37 @@ def test_history_to_csv(tmp_path):
         rows = list(csv.DictReader(handle))
     assert rows == [{"epoch": "1", "loss": "1.5", "acc": "", "partial": ""},
                     {"epoch": "2", "loss": "1.25", "acc": "0.5", "partial": "acc"}]
+
+
+def test_a_restarted_attempt_replaces_the_epochs_it_replays_and_keeps_one_record_per_epoch():
+    from ddp_notebook.engine.history import Reducer
+
+    reducer = Reducer(2)
+    for epoch in (0, 1):
+        for rank in (0, 1):
+            reducer.add(rank, {"key": "epoch", "x": epoch, "values": {"loss": 10.0 + epoch}})
+    reducer.add(0, {"key": "epoch", "x": 2, "values": {"loss": 12.0}})  # rank 1's report of epoch 2 was lost
+    reducer.add(0, {"key": "epoch", "x": 3, "values": {"loss": 13.0}})
+    assert reducer.reached() == {"epoch": 4}
+    reducer.new_attempt()  # the new attempt resumes from the checkpoint of epoch 0: it replays epochs 1 and 2
+    for rank in (0, 1):
+        reducer.add(rank, {"key": "epoch", "x": 1, "values": {"loss": 1.0}})
+    for rank in (0, 1):
+        reducer.add(rank, {"key": "epoch", "x": 2, "values": {"loss": 2.0}})
+    reducer.finish()
+    assert [(r["epoch"], r["loss"], r.get("partial")) for r in reducer.history] == \
+        [(0, 10.0, None), (1, 1.0, None), (2, 2.0, None), (3, 13.0, "loss")]
+
+
+def test_what_a_failed_attempt_left_unfinished_and_the_new_one_skips_is_kept_as_partial():
+    from ddp_notebook.engine.history import Reducer
+
+    reducer = Reducer(2)
+    for rank in (0, 1):
+        reducer.add(rank, {"key": "epoch", "x": 0, "values": {"loss": 10.0}})
+    reducer.add(0, {"key": "epoch", "x": 1, "values": {"loss": 11.0}})  # rank 1 died before reporting epoch 1
+    reducer.new_attempt()
+    for rank in (0, 1):  # resumed from epoch 1's checkpoint (saved before the fault): starts at epoch 2
+        reducer.add(rank, {"key": "epoch", "x": 2, "values": {"loss": 2.0}})
+    assert [(r["epoch"], r["loss"], r.get("partial")) for r in reducer.history] == \
+        [(0, 10.0, None), (1, 11.0, "loss"), (2, 2.0, None)]

@@ -239,3 +239,33 @@ def test_status_line_and_eta():
     view.updated([{"step": s, "loss": 1.0} for s in range(3)])
     view.finish([])
     assert len(out.getvalue().splitlines()) == 2  # step-wise lines are paced; the last one is kept
+
+
+def test_a_restart_is_marked_in_the_status_line_and_on_the_curves_and_replayed_epochs_replace_the_old(capsys):
+    job = FakeJob(2)
+    dashboard.watch(job)
+    watcher = job.listeners[0]
+    for epoch in (0, 1, 2):
+        for rank in (0, 1):
+            job.emit("metric", rank, report_body(epoch, loss=10.0 + epoch))
+    job.emit("restarted", -1, {"attempt": 1, "attempts": 2, "cause": "rank 1 died (SIGKILL)", "failure": None})
+    line = watcher.status.line(watcher.reducer, time.time())
+    assert line.endswith(" · rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 2"), line
+    job.emit("resumed", 0, {"task": 1, "epoch": 2})
+    assert watcher.status.line(watcher.reducer, time.time()).endswith(
+        "rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 2, resuming from epoch 2")
+    for epoch in (2, 3):  # the checkpoint was older than the last epoch reported: epoch 2 is replayed
+        for rank in (0, 1):
+            job.emit("metric", rank, report_body(epoch, loss=float(epoch)))
+    job.end()
+    assert [(r["epoch"], r["loss"]) for r in job.history] == [(0, 10.0), (1, 11.0), (2, 2.0), (3, 3.0)]
+    assert job.history.attempts == [{"attempt": 0, "cause": "rank 1 died (SIGKILL)", "at": {"epoch": 3}}]
+    snapshot = watcher.curves.snapshot()
+    assert snapshot["points"][("epoch", "loss")] == ([0, 1, 2, 3], [10.0, 11.0, 2.0, 3.0])
+    assert snapshot["restarts"] == [("epoch", 2.5)]
+    plot = dashboard.Plot()
+    assert plot.render(snapshot).startswith(b"\x89PNG")
+    assert [marker.get_xdata()[0] for marker in plot._markers] == [2.5]
+    err = capsys.readouterr().err
+    assert "ddp_notebook: rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 2\n" in err
+    assert "ddp_notebook: attempt 1 resumes from epoch 2" in err  # (a FakeJob has no attempt counter)

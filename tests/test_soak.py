@@ -62,11 +62,19 @@ def _interrupt(km, kc, flags):
         if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
             pids.update(re.findall(r"PID (\d+)", msg["content"]["text"]))
     km.interrupt_kernel()
-    while True:
-        reply = kc.get_shell_msg(timeout=60)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            break
-    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    deadline, said = time.monotonic() + 60, []
+    while True:  # what the cell says meanwhile is kept: a cell that never ends shows where it stood
+        assert time.monotonic() < deadline, f"no reply 60 s after the interrupt; the cell said: {''.join(said)}"
+        while kc.iopub_channel.msg_ready():
+            msg = kc.get_iopub_msg(timeout=1)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                said.append(msg["content"]["text"])
+        if kc.shell_channel.msg_ready():
+            reply = kc.get_shell_msg(timeout=1)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        time.sleep(0.05)
+    assert reply["content"]["ename"] == "KeyboardInterrupt", (reply["content"], said)
 
 
 def _round(km, kc, run_dir):

@@ -24,7 +24,7 @@ from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
-from ..wire.channel import ChannelServer
+from ..wire.channel import ChannelServer, whole_message
 from .output import OutputRelay
 
 log = logging.getLogger("ddp_notebook")
@@ -116,6 +116,27 @@ class RankBackend(abc.ABC):
     def kill(self) -> None:
         """Stop every rank and anything it started, and remove what the backend made."""
 
+    def describe_exit(self, rank: int, code: int | None) -> str:
+        """How a rank that ended without a word ended: its exit ``code``, a negative signal number, or None
+        when only its lost connection tells."""
+        if code is None:
+            return f"rank {rank} lost its connection to the notebook (it, its torchrun agent or its host ended) " \
+                   f"without reporting an error"
+        how = f"was killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
+        if code in (-signal.SIGABRT, 134):
+            how += " (abort or crash)"
+        elif code == -signal.SIGSEGV:
+            how += " (segmentation fault)"
+        return f"rank {rank} {how} without reporting an error"
+
+
+def signal_name(code: int) -> str:
+    """SIGKILL for -9: the name of the signal a negative exit code stands for."""
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
 
 class ChannelRanks(RankBackend):
     """Ranks as processes of this host that talk to the notebook over the authenticated channel.
@@ -135,6 +156,7 @@ class ChannelRanks(RankBackend):
         self.connections: dict[Any, int] = {}  # connection -> rank (-1 until its hello)
         self.channel: ChannelServer | None = None
         self._queued: dict[int, list[tuple]] = {}  # messages for ranks not connected yet
+        self._known: dict[Any, int] = {}  # connection -> rank, kept to notice a lost connection
 
     def start(self, task: Any = None, task_id: int = 0) -> "ChannelRanks":
         """Start every rank (:meth:`launch`); what was started is stopped again if that fails."""
@@ -157,7 +179,8 @@ class ChannelRanks(RankBackend):
         for conn, r in self.connections.items():
             if r == rank:
                 try:
-                    conn.send(message)
+                    with whole_message():
+                        conn.send(message)
                 except OSError:
                     pass  # its exit tells the rest
                 return
@@ -194,6 +217,14 @@ class ChannelRanks(RankBackend):
             for conn in self.channel.new_connections():
                 self.connections[conn] = -1
 
+    def lost_ranks(self) -> list[int]:
+        """The ranks whose connection has closed since the last call: where the ranks are not this host's own
+        processes, all that tells they have ended."""
+        for conn, rank in self.connections.items():
+            if rank >= 0:
+                self._known[conn] = rank
+        return [self._known.pop(conn) for conn in [c for c in self._known if c not in self.connections]]
+
     def check_exits(self) -> None:
         """Record ranks whose process has ended, and tell the job (hook: processes of other kinds)."""
         self.take_new_connections()  # a rank's report may sit on a connection accepted a moment ago
@@ -220,21 +251,27 @@ class ChannelRanks(RankBackend):
         """Hand on the messages waiting on one connection."""
         try:
             while conn.poll():
-                kind, body = conn.recv()
+                with whole_message():
+                    kind, body = conn.recv()
                 rank = self.connections.get(conn, -1)
                 if kind == protocol.HELLO:
                     rank = self.connections[conn] = int(body["rank"])
                     for message in self._queued.pop(rank, []):
-                        conn.send(message)
+                        with whole_message():
+                            conn.send(message)
                 elif rank < 0:
                     continue  # nothing counts before a rank has said who it is
                 elif kind == protocol.READY:
                     self.ready.add(rank)
                 log.debug("rank %s: %s %s", rank, kind, sorted(body))
-                self._on_message(rank, kind, body)
+                self.handle(rank, kind, body)
         except (EOFError, OSError):
             self.connections.pop(conn, None)
             conn.close()
+
+    def handle(self, rank: int, kind: str, body: dict) -> None:
+        """A rank's message, once it has said who it is (hook: messages a backend acts on itself)."""
+        self._on_message(rank, kind, body)
 
     def drain(self, rank: int) -> None:
         """Read what an exited rank left in its pipes and its connection (without waiting: a child of the

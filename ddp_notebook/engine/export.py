@@ -111,11 +111,15 @@ class _ArrayFile(sharing.Store):
 
 
 def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None = None,
-          timeout: float | None = None, backend: str | None = None, notebook: dict | None = None) -> Exported:
+          timeout: float | None = None, backend: str | None = None, notebook: dict | None = None,
+          rank_options: dict | None = None) -> Exported:
     """Write the export of ``task`` (a CellTask or CallTask) with its script at ``path``.
 
     ``notebook``: the channel of a notebook that runs node 0 of this job (address,
     key, task id); its ranks and every other node's connect back to it.
+    ``rank_options``: for a scheduler's run (``results_to_files``: each rank's
+    return value beside the metrics files; ``remove_after_load``: the last rank
+    to load the task removes the export).
     """
     script = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if not script.endswith(".py"):
@@ -143,7 +147,7 @@ def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None 
             raise
         has_arrays = store.close()
         run = {"format": FORMAT, "task": data, "arrays": os.path.basename(files["arrays"]) if has_arrays else None,
-               "seed": seed, "timeout": timeout, "backend": backend, "notebook": notebook}
+               "seed": seed, "timeout": timeout, "backend": backend, "notebook": notebook, **(rank_options or {})}
         fd = os.open(files["payload"] + tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold a job key
         with os.fdopen(fd, "wb") as f:
             pickle.dump(run, f, protocol=4)

@@ -17,7 +17,16 @@ from ..wire.protocol import TOTAL_KEYS
 
 
 class History(list):
-    """The reduced records of a job, one dict per x value, in the order they were completed."""
+    """The reduced records of a job, one dict per x value, in the order they were completed.
+
+    ``attempts`` lists the attempts that failed and were restarted (``--max-restarts``): ``{"attempt", "cause",
+    "at"}`` with ``at`` the x values reached (``{"epoch": 3}``).  A restarted attempt's records replace the
+    failed attempt's for the x values it replays.
+    """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.attempts: list[dict] = []
 
     def to_csv(self, path: str) -> None:
         """Write the records as CSV, one column per key ever seen (empty where a record lacks it)."""
@@ -57,6 +66,8 @@ class Reducer:
         self._pending: dict[str, OrderedDict] = {}  # x key -> x -> _Point
         self._latest: dict[str, dict[int, float]] = {}  # x key -> rank -> highest x it reported
         self._records: dict[tuple[str, float], dict] = {}  # (x key, x) -> its record in history
+        self._stale: set[tuple[str, float]] = set()  # records of a failed attempt, replaced when replayed
+        self._orphans: dict[str, dict[float, _Point]] = {}  # x key -> x -> what a failed attempt left unfinished
 
     def add(self, rank: int, body: dict) -> list[dict]:
         """Take one rank's report; the updates it completed."""
@@ -65,6 +76,7 @@ class Reducer:
             self.totals[key] = body["total"]
         if body.get("sum"):
             self.summed.update(body["sum"])
+        orphaned = self._settle_orphans(key, x)
         pending = self._pending.setdefault(key, OrderedDict())
         point = pending.get(x)
         if point is None:
@@ -75,7 +87,7 @@ class Reducer:
             point.values.setdefault(name, {})[rank] = (value, weight)
         if "epoch" in body:
             point.meta["epoch"] = body["epoch"]
-        updates = self._release(key, x, point, final=False)
+        updates = orphaned + self._release(key, x, point, final=False)
 
         latest = self._latest.setdefault(key, {})
         if x > latest.get(rank, float("-inf")):
@@ -90,9 +102,46 @@ class Reducer:
                     updates += self._release(key, oldest, pending.pop(oldest), final=True)
         return updates
 
+    def reached(self) -> dict[str, float]:
+        """Per x key, where the ranks were: one past the highest x any rank reported (the one under way)."""
+        reached = {}
+        for key, latest in self._latest.items():
+            seen = [x for (k, x) in self._records if k == key] + list(latest.values())
+            reached[key] = max(seen) + 1
+        return reached
+
+    def new_attempt(self) -> None:
+        """The job restarts on fresh ranks.  Its records stay until the new attempt replays their x values; what
+        the failed attempt left unfinished is dropped where the new attempt replays it, and released as partial
+        where it does not (its first report lies beyond, or the job ends)."""
+        for key, pending in self._pending.items():
+            self._orphans.setdefault(key, {}).update(pending)
+            pending.clear()
+        self._latest.clear()
+        self._stale = set(self._records)
+
+    def _settle_orphans(self, key: str, x: float) -> list[dict]:
+        orphans = self._orphans.get(key)
+        if not orphans:
+            return []
+        updates = []
+        for old_x in sorted(orphans):
+            if old_x >= x:
+                if old_x == x:
+                    del orphans[old_x]  # replayed: the new attempt's values will stand
+                break
+            self._stale.discard((key, old_x))  # not replayed: what the failed attempt reduced of it stays
+            updates += self._release(key, old_x, orphans.pop(old_x), final=True)
+        return updates
+
     def finish(self) -> list[dict]:
         """The job ended: release everything still held back, marked partial where ranks are missing."""
         updates = []
+        for key, orphans in self._orphans.items():
+            for x in sorted(orphans):
+                self._stale.discard((key, x))
+                updates += self._release(key, x, orphans[x], final=True)
+            orphans.clear()
         for key, pending in self._pending.items():
             for x in sorted(pending):
                 updates += self._release(key, x, pending[x], final=True)
@@ -120,6 +169,10 @@ class Reducer:
                     partial.append(name)
                 del point.values[name]
         record = self._records.get((key, x))
+        if (key, x) in self._stale and reduced:  # replayed by a restarted attempt: its values replace the old
+            self._stale.discard((key, x))
+            for name in [n for n in record if n not in (key, TOTAL_KEYS.get(key))]:
+                del record[name]
         if record is None:
             record = {key: x}
             if key in self.totals:

@@ -8,10 +8,12 @@ nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import logging
@@ -21,8 +23,9 @@ from typing import Any, Callable
 
 from ..wire import payload, protocol
 from ..wire.errors import Failure, JobStopped, RankError, blame
-from .backend import RankBackend
+from .backend import RankBackend, signal_name
 from .local import LocalRanks
+from . import stacks
 from .output import OutputRelay
 from .spec import JobSpec
 
@@ -49,13 +52,6 @@ def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
     if observer not in _job_observers:
         _job_observers.append(observer)
     return observer
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
 
 
 _task_ids = itertools.count(1)
@@ -110,7 +106,8 @@ class Job(EventSource):
     def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0,
                  group: RankBackend | None = None, targets: list[int] | None = None,
                  backend: Callable[[Any, OutputRelay], RankBackend] = LocalRanks,
-                 on_interrupt: Callable[["Job"], None] | None = None):
+                 on_interrupt: Callable[["Job"], None] | None = None, max_restarts: int = 0,
+                 renew: Callable[[str], RankBackend] | None = None, stop_grace: float = 10.0):
         self.spec = spec
         self.task = task
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
@@ -118,6 +115,16 @@ class Job(EventSource):
         self.group = group
         self.targets = list(range(spec.world_size)) if targets is None else list(targets)
         self.on_interrupt = on_interrupt
+        self.max_restarts = max_restarts
+        self.renew = renew  # fresh ranks for the next attempt on a pool's group (the pool restarts them)
+        self.attempt = 0  # 0, then 1, 2, ... after each restart
+        self.attempts: list[dict] = []  # the failed attempts: {"attempt", "cause", "error"}
+        self.stop_grace = stop_grace  # how long a graceful stop may wait for a batch boundary
+        self.stoppable: set[int] = set()  # ranks whose task checks for a graceful stop
+        self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
+        self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
+        self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
+        self._stopped_where: dict[int, dict] = {}
         self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
         self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
@@ -131,6 +138,7 @@ class Job(EventSource):
         self._failures: dict[int, Failure] = {}
         self._first_failure_at: float | None = None
         self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
+        self._exit_how: dict[int, str] = {}  # rank -> "SIGKILL", "exit code 3": how a rank died unreported
         self._thread: threading.Thread | None = None
         self._finishing = False
         self._stop_requested = False
@@ -155,8 +163,8 @@ class Job(EventSource):
         if self._outcome is None or self.ended_at is None:
             return "running"
         kind, value = self._outcome
-        stopped = isinstance(value, (KeyboardInterrupt, JobStopped))
-        return "done" if kind == "ok" else "stopped" if stopped else "failed"
+        stopped = isinstance(value, (KeyboardInterrupt, JobStopped)) or self.stopped_at is not None
+        return "stopped" if stopped else "done" if kind == "ok" else "failed"
 
     @property
     def outcome(self) -> Outcome:
@@ -175,6 +183,21 @@ class Job(EventSource):
         a foreground run was interrupted)."""
         return self._outcome[1] if self._outcome is not None and self._outcome[0] == "error" else None
 
+    def logs(self, rank: int) -> str:
+        """Rank ``rank``'s complete output so far (stdout and stderr, its newest 16 MB), including the lines the
+        cell elided or did not show (``--output 0``)."""
+        return self.relay.log(rank)
+
+    @property
+    def stopped_text(self) -> str | None:
+        """"stopped at epoch 4, batch 17" (or "at step 17") after a graceful stop, else None."""
+        where = self.stopped_at
+        if where is None:
+            return None
+        if "step" in where:
+            return f"stopped at step {where['step']}"
+        return f"stopped at epoch {where['epoch']}, batch {where['batch']}"
+
     def __repr__(self) -> str:
         where = f"{self.spec.world_size} GPU ranks" if self.spec.gpus else f"{self.spec.world_size} CPU ranks"
         return f"<ddp_notebook Job #{self.task_id} on {where}: {self.status}>"
@@ -191,13 +214,58 @@ class Job(EventSource):
             self.group = self.backend(spec, self.relay).start(self.task, self.task_id)
         else:
             self.group.relay = self.relay
-        self.group.attach(self._on_message, self._on_exit)
-        log.debug("job #%s started on %s: %s ranks, port %s", self.task_id, type(self.group).__name__,
-                  spec.world_size, self.port)
-        if not self.group.runs_own_task:
-            self._send_task()
+        self._begin_attempt()
         self.emit(protocol.STARTED, -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
         return self
+
+    def _begin_attempt(self) -> None:
+        self.group.attach(self._on_message, self._on_exit)
+        log.debug("job #%s started on %s: %s ranks, port %s (attempt %s)", self.task_id, type(self.group).__name__,
+                  self.spec.world_size, self.port, self.attempt)
+        if not self.group.runs_own_task:
+            self._send_task()
+
+    # -- restart ---------------------------------------------------------
+    def _may_restart(self) -> bool:
+        if self._outcome is None or self._stop_requested or self.attempt >= self.max_restarts:
+            return False
+        kind, value = self._outcome
+        return kind == "error" and isinstance(value, RankError)
+
+    def _restart(self) -> None:
+        """This attempt failed: stop every rank and run the task again on fresh ranks (a fresh port)."""
+        error: RankError = self._outcome[1]
+        cause = self._cause_text(error)
+        self.attempts.append({"attempt": self.attempt, "cause": cause, "error": error})
+        log.debug("job #%s attempt %s failed (%s); restarting", self.task_id, self.attempt, cause)
+        self._finishing = True
+        self._forget_task_file()
+        if self._owns_group:
+            self.group.kill()
+            self.group = None
+        self._results, self._failures, self._exit_how = {}, {}, {}
+        self._first_failure_at = None
+        self._outcome = None
+        self._finishing = False
+        self.attempt += 1
+        if self._owns_group:
+            self.group = self.backend(self.spec, self.relay).start(self.task, self.task_id)
+        else:
+            self.group = self.renew(f"attempt {self.attempt} of job #{self.task_id} failed: {cause}")
+            self.group.relay = self.relay
+        self.emit(protocol.RESTARTED, -1, {"attempt": self.attempt, "attempts": self.max_restarts + 1,
+                                            "cause": cause, "failure": error.failure})
+        self._begin_attempt()
+
+    def _cause_text(self, error: RankError) -> str:
+        """One line on why an attempt failed: "rank 1 died (SIGKILL)"."""
+        failure = error.failure
+        if failure.kind == "exit" and failure.rank in self._exit_how:
+            return f"rank {failure.rank} died ({self._exit_how[failure.rank]})"
+        if failure.kind == "timeout":
+            return error.summary()
+        headline = failure.headline()
+        return f"rank {failure.rank} failed: {headline if len(headline) <= 100 else headline[:97] + '...'}"
 
     def _send_task(self) -> None:
         try:
@@ -207,7 +275,8 @@ class Job(EventSource):
                 self.group.kill()
             raise
         for rank in self.targets:
-            self.group.send(rank, (protocol.RUN, {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed}))
+            self.group.send(rank, (protocol.RUN, {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed,
+                                                  "attempt": self.attempt}))
 
     # -- watch -----------------------------------------------------------
     def _pump(self, timeout: float = 0.1) -> None:
@@ -217,7 +286,11 @@ class Job(EventSource):
     def _on_message(self, rank: int, kind: str, body: dict) -> None:
         if body.get("task", self.task_id) != self.task_id:
             return  # a late word about an earlier cell of a warm pool
+        if kind == protocol.STOPPABLE:
+            self.stoppable.add(rank)
         if kind == protocol.RESULT and rank in self.targets:
+            if body.get("stopped"):
+                self._stopped_where[rank] = body["stopped"]
             try:
                 self._results[rank] = pickle.loads(body["value"])
             except Exception as exc:
@@ -231,16 +304,10 @@ class Job(EventSource):
     def _on_exit(self, rank: int, code: int | None) -> None:
         if rank not in self._results and rank not in self._failures and self._outcome is None \
                 and not self._finishing:
-            if code is None:  # a rank on another host: only its connection tells
-                how = "lost its connection to the notebook (it, its torchrun agent or its host ended)"
-            else:
-                how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-            if code in (-signal.SIGABRT, 134):
-                how += " (abort or crash)"
-            elif code == -signal.SIGSEGV:
-                how += " (segmentation fault)"
-            self._add_failure(Failure(rank, "RankDied", f"rank {rank} {how} without reporting an error",
-                                      "", time.time(), "exit"))
+            if code is not None:
+                self._exit_how[rank] = signal_name(code) if code < 0 else f"exit code {code}"
+            self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
+                                      "exit"))
         self.emit(protocol.EXITED, rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
@@ -263,11 +330,13 @@ class Job(EventSource):
                 self._fail()
             return
         if len(self._results) == len(targets):
+            if self._stopped_where:
+                self.stopped_at = self._stopped_where.get(targets[0]) or next(iter(self._stopped_where.values()))
             self._outcome = ("ok", [self._results[r] for r in targets])
             return
         group = self.group
         if spec.init_group and len(group.ready) + len(group.exited) < spec.world_size \
-                and time.time() - group.started_at > spec.startup_timeout:
+                and group.started_at is not None and time.time() - group.started_at > spec.startup_timeout:
             late = sorted(set(range(spec.world_size)) - group.ready)
             self._add_failure(Failure(late[0], "StartupTimeout",
                                       f"ranks {', '.join(map(str, late))} did not join the process group within "
@@ -288,12 +357,16 @@ class Job(EventSource):
             elif len(timed_out) < len(self.targets):
                 stuck_elsewhere = sorted(set(self.targets) - set(timed_out))
                 note += f"; rank(s) {', '.join(map(str, stuck_elsewhere))} were elsewhere"
+            waiting = [r for r in self.targets if r not in self._results and r not in self._failures]
+            if waiting:
+                note += f"\nwhere the other ranks were:\n{stacks.collect(self.group, waiting)}"
         others = [f.rank for f in failures if f.rank != cause.rank]
         if len(failures) == len(self.targets) > 1 and len({f.headline() for f in failures}) == 1:
             note = "(every rank failed the same way)"
         elif others and cause.kind != "timeout":
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
-        self._outcome = ("error", RankError(cause, failures, note))
+        earlier = [f"attempt {a['attempt'] + 1}: {a['cause']}" for a in self.attempts]
+        self._outcome = ("error", RankError(cause, failures, note, earlier))
 
     # -- wait / stop -----------------------------------------------------
     def result(self) -> list[Any]:
@@ -314,16 +387,35 @@ class Job(EventSource):
             if self._thread.is_alive():
                 raise TimeoutError(f"job #{self.task_id} is still running after {timeout} s")
         else:
-            self._run()
+            with self._stacks_on_sigusr2():
+                self._run()
         kind, value = self._outcome
         if kind == "error":
             raise value
         return value
 
+    @contextlib.contextmanager
+    def _stacks_on_sigusr2(self):
+        """While a foreground job runs, ``kill -USR2 <kernel pid>`` prints every rank's stack into the cell
+        (the kernel is busy: no magic can ask); the job goes on."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGUSR2, lambda signum, frame: print(
+            f"ddp_notebook: where each rank is (job #{self.task_id}):\n{self.stacks()}", file=sys.stderr))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGUSR2, previous)
+
     def _run(self) -> None:
         try:
-            while self._outcome is None and not self._stop_requested:
-                self._pump()
+            while True:
+                while self._outcome is None and not self._stop_requested:
+                    self._pump_or_stop_gracefully()
+                if not self._may_restart():
+                    break
+                self._restart()
         except BaseException:
             self._stop_now()
             raise
@@ -331,6 +423,47 @@ class Job(EventSource):
             self._stop_now()  # stop() asked for it
         else:
             self._finish()
+
+    def _pump_or_stop_gracefully(self) -> None:
+        """Pump; the first interrupt asks a task that checks for it to stop at its next batch boundary.  A second
+        interrupt, or no boundary within ``stop_grace`` seconds, stops it hard (KeyboardInterrupt)."""
+        try:
+            if self._graceful_by is not None and self._stop_asked_at is None:
+                self._ask_to_stop(self._graceful_by)
+            self._pump()
+        except KeyboardInterrupt:
+            if self._stop_asked_at is None and self.stoppable:
+                self._ask_to_stop("the interrupt")
+                return
+            raise
+        if self._stop_asked_at is not None and self._outcome is None \
+                and time.monotonic() - self._stop_asked_at > self.stop_grace:
+            log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, self.stop_grace)
+            self._on_grace_expired()
+            if self._graceful_by is not None:
+                self._stop_requested = True  # job.stop(): the stop becomes a hard one (JobStopped)
+            else:
+                raise KeyboardInterrupt
+
+    def _ask_to_stop(self, by: str) -> None:
+        """Ask every rank to stop at the next batch boundary (they agree on the same one)."""
+        self._stop_asked_at = time.monotonic()
+        log.debug("job #%s: graceful stop asked by %s", self.task_id, by)
+        self.emit(protocol.STOPPING, -1, {"by": by, "grace": self.stop_grace})
+        for rank in self.targets:
+            self.group.send(rank, (protocol.STOP, {"task": self.task_id}))
+
+    def _on_grace_expired(self) -> None:
+        """A graceful stop found no boundary in time: say so, and where each rank was."""
+        print(f"ddp_notebook: no batch boundary within {self.stop_grace:g} s of the stop; stopping hard. "
+              f"Where each rank was:\n{self.stacks()}", file=sys.stderr)
+
+    def stacks(self) -> "stacks.RankStacks":
+        """Every rank's Python stack now, grouped by identical stacks ("ranks 0, 2: all_reduce ← Cell In[5]
+        line 12"); works while a rank is blocked in a collective or in C code.  ``frames[rank]`` has the frames."""
+        if self.group is None:
+            raise RuntimeError(f"job #{self.task_id} has no ranks (not started)")
+        return stacks.collect(self.group, list(self.targets))
 
     def run_in_background(self) -> "Job":
         _background_jobs.append(weakref.ref(self))
@@ -355,11 +488,23 @@ class Job(EventSource):
                 self.group.kill()
         self._end()
 
-    def stop(self, timeout: float = 10.0, *, by: str = "job.stop()") -> None:
-        """Stop the job: its own ranks are ended; on a warm pool the pool brings its ranks back.
+    def stop(self, timeout: float | None = 10.0, *, by: str = "job.stop()", now: bool = False) -> None:
+        """Stop the job; its ``status`` becomes 'stopped'.
 
-        Its ``status`` becomes 'stopped' and ``wait()`` raises :class:`JobStopped` naming ``by``.
+        Gracefully when its task checks for it (a ``distributed_loader``, ``should_stop()``) and ``now`` is
+        False: every rank stops at the same batch boundary, the cell ends normally and ``wait()`` returns the
+        values (``stopped_at`` says where).  Otherwise, or with no boundary within ``stop_grace`` seconds, hard:
+        its own ranks are ended (a warm pool brings its ranks back) and ``wait()`` raises :class:`JobStopped`
+        naming ``by``.  Waits at most ``timeout`` seconds (a graceful stop: the grace period more; None: until
+        it has ended).
         """
+        thread = self._thread
+        if not now and self.stoppable and self._outcome is None and thread is not None and thread.is_alive() \
+                and thread is not threading.current_thread():
+            self._graceful_by = by  # the job's own thread sends it: it owns the ranks' connections
+            self._stopped_by = by
+            thread.join(None if timeout is None else timeout + self.stop_grace)
+            return
         if not self._stop_requested:
             self._stopped_by = by
         thread = self._thread
@@ -383,18 +528,22 @@ class Job(EventSource):
             self.on_interrupt(self)
         self._end()
 
-    def _end(self) -> None:
+    def _forget_task_file(self) -> None:
         if self._task_path is not None:
             try:
                 os.unlink(self._task_path)
             except OSError:
                 pass
             self._task_path = None
+
+    def _end(self) -> None:
+        self._forget_task_file()
         payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
         if self.ended_at is None:
             self.ended_at = time.time()
             log.debug("job #%s ended: %s", self.task_id, self.status)
             self.relay.flush(final=True)
+            self.relay.close_logs()
             self.emit(protocol.ENDED, -1, {"ok": self._outcome[0] == "ok"})
             for callback in self.on_done:
                 callback(self)

@@ -96,7 +96,6 @@ class TorchrunNode(ChannelRanks):
         self.exported: exporting.Exported | None = None
         self._agent_ended = False
         self._stopping = False
-        self._conn_rank: dict = {}  # connection -> rank, kept to notice a lost connection
         self._partial = {"stdout": "", "stderr": ""}
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in self._partial}
 
@@ -158,11 +157,7 @@ class TorchrunNode(ChannelRanks):
 
     # -- who has ended: ranks by their connection, node 0's also by the agent -------------------
     def check_exits(self) -> None:
-        for conn, rank in self.connections.items():
-            if rank >= 0:
-                self._conn_rank[conn] = rank
-        for conn in [c for c in self._conn_rank if c not in self.connections]:
-            rank = self._conn_rank.pop(conn)
+        for rank in self.lost_ranks():
             if rank not in self.exited:
                 self.exited[rank] = None  # its exit status is its host's to know
                 self._on_exit(rank, None)

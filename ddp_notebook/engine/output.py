@@ -8,12 +8,19 @@ many.  The newest lines are always kept, and the final flush shows the tail.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, TextIO
 
 
+LOG_BYTES_PER_RANK = 16 << 20  # job.logs(rank) keeps each rank's newest 16 MB
+
+
 class OutputRelay:
+    """Relays rank output to the cell (see the module docstring) and keeps each rank's complete output: the newest
+    ``LOG_BYTES_PER_RANK`` bytes in memory (:meth:`log`), everything in ``log_dir/rank<N>.log`` when set."""
+
     def __init__(
         self,
         out: TextIO | None = None,
@@ -34,9 +41,37 @@ class OutputRelay:
         self._last_flush = clock()
         self.elided = 0
         self.lines_seen = 0
+        self.log_dir: str | None = None
+        self._logs: dict[int, bytearray] = {}
+        self._log_files: dict[int, object] = {}
+
+    def _keep(self, rank: int, data: bytes) -> None:
+        kept = self._logs.setdefault(rank, bytearray())
+        kept += data
+        if len(kept) > LOG_BYTES_PER_RANK:
+            cut = len(kept) - LOG_BYTES_PER_RANK
+            newline = kept.find(b"\n", cut)
+            del kept[:newline + 1 if 0 <= newline < cut + 4096 else cut]  # from a whole line where one is near
+        if self.log_dir is not None:
+            handle = self._log_files.get(rank)
+            if handle is None:
+                handle = self._log_files[rank] = open(os.path.join(self.log_dir, f"rank{rank}.log"), "ab")
+            handle.write(data)
+
+    def log(self, rank: int) -> str:
+        """Everything rank ``rank`` wrote to stdout and stderr (its newest 16 MB), what the cell elided too."""
+        return bytes(self._logs.get(rank, b"")).decode("utf-8", "replace")
+
+    def close_logs(self) -> None:
+        """The job has ended: close the files of ``log_dir``."""
+        for handle in self._log_files.values():
+            handle.close()
+        self._log_files.clear()
+        self.log_dir = None  # (a warm pool's ranks may still print between cells: not into this job's files)
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
         """Lines of a rank; rank -1: lines of the torchrun agent that runs this host's ranks (always shown)."""
+        self._keep(rank, data)
         if self.ranks is not None and rank not in self.ranks and rank >= 0:
             return
         text = self._partial.pop((rank, stream), "") + data.decode("utf-8", "replace")

@@ -166,7 +166,7 @@ class Pool:
         global _current
         self._stopping = True  # a job still running ends without bringing the ranks back
         if self.busy is not None:
-            self.busy.stop(timeout=None, by="%ddp_stop (the warm pool was stopped)")
+            self.busy.stop(timeout=None, by="%ddp_stop (the warm pool was stopped)", now=True)
         if self.group is not None:
             self.group.shut_down(wait=5.0)
             self.group = None
@@ -184,6 +184,11 @@ class Pool:
               file=sys.stderr)
         self.restarts += 1
         self.start()
+
+    def _renew(self, reason: str) -> RankBackend:
+        """A job's attempt failed and it restarts: fresh ranks (a fresh port) for its next attempt."""
+        self.restart(reason)
+        return self.group
 
     def status(self) -> list[dict]:
         """One row per rank: pid, alive, device, resident memory."""
@@ -225,7 +230,7 @@ class Pool:
         return shipped
 
     def job(self, task: bytes, spec: JobSpec, targets: list[int] | None = None,
-            relay: OutputRelay | None = None) -> Job:
+            relay: OutputRelay | None = None, max_restarts: int = 0) -> Job:
         """A job for one cell (or call) on the pool's ranks."""
         if self.busy is not None:
             raise LaunchError("the warm pool is busy with a background job: wait for it (job.wait()) or stop it")
@@ -235,7 +240,7 @@ class Pool:
         if bad:
             raise LaunchError(f"--ranks {bad}: the pool has ranks 0 to {self.spec.world_size - 1}")
         job = Job(spec, task, group=self.group, targets=targets, relay=relay,
-                           on_interrupt=self._interrupted)
+                  on_interrupt=self._interrupted, max_restarts=max_restarts, renew=self._renew)
         job.add_listener(lambda job, kind, rank, body: setattr(self, "busy", job) if kind == protocol.STARTED else None)
         job.on_done.append(self._job_ended)
         return job
@@ -258,7 +263,7 @@ class Pool:
         self.cells += 1
         if self.group is None or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
-        if job.status != "done":  # what the failed cell bound, or was sent, may be missing or half-made
+        if job.results is None:  # what the failed cell bound, or was sent, may be missing or half-made
             for rank in job.targets:
                 for name in names_assigned(code) | set(shipped):
                     self._held[rank].pop(name, None)

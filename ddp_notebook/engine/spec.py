@@ -6,6 +6,7 @@ device choice, option checks and binding the master port.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -47,6 +48,8 @@ class JobSpec:
     notes: list[str] = field(default_factory=list)  # told to the user at start
     nnodes: int = 1  # > 1: this host is node 0 of a job on several hosts (nodes.py); world_size counts them all
     export_path: str | None = None  # the script the other hosts run under torchrun (nnodes > 1)
+    executor: Any = None  # a submitit executor: the ranks are the tasks of a Slurm job (slurm.py)
+    chosen_backend: str | None = None  # with an executor, the backend asked for (None: each rank chooses)
 
 
 def parse_gpus(gpus: Any) -> int | list[int]:
@@ -126,8 +129,14 @@ def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | No
                    backend=backend or "nccl", notes=notes)
 
 
-def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None) -> None:
+def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None, *,
+                  max_restarts: Any = 0, nnodes: int = 1) -> None:
     """Refuse malformed job options before anything starts."""
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise LaunchError(f"max_restarts must be a non-negative integer, not {max_restarts!r}")
+    if max_restarts and nnodes != 1:
+        raise LaunchError("restarts of a job on several hosts are torchrun's: run the export with "
+                          "torchrun --max-restarts N (ddp_notebook.attempt() counts them there too)")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
         raise LaunchError(f"port must be between 1 and 65535, not {port!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
@@ -135,6 +144,20 @@ def check_options(port: Any = None, seed: Any = None, timeout: Any = None, start
     for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def prepare_log_dir(log_dir: Any) -> str | None:
+    """``--log-dir``: made if missing; refused before anything starts if it cannot be written."""
+    if log_dir is None:
+        return None
+    path = os.path.abspath(os.fspath(log_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"--log-dir {log_dir}: cannot make it: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise LaunchError(f"--log-dir {log_dir}: not writable")
+    return path
 
 
 def bind_port(addr: str, port: int | None) -> socket.socket:

@@ -109,6 +109,19 @@ class Status:
         self.progress: dict[int, tuple[int, int]] = {}  # rank -> (done, total) in its current epoch
         self.outcome: str | None = None  # "done", "failed", "stopped"
         self.ended_at: float | None = None
+        self.stopping: str | None = None  # a graceful stop under way
+        self.restart: str | None = None  # the latest restart: "rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 3"
+        self.queued: str | None = None  # "Slurm job 1234 (Resources)" while a scheduler holds the job
+        self.queued_since: float | None = None
+
+    def scheduled(self, body: dict) -> None:
+        """A scheduler's news of the job (``SCHEDULER`` events): queued until it runs; the clock starts then."""
+        if body["state"] == "PENDING":
+            self.queued = f"{body['scheduler']} job {body['job']}" + (f" ({body['reason']})" if body["reason"] else "")
+            self.queued_since = body.get("since") or time.time()
+        elif self.queued is not None:
+            self.queued = None
+            self.started_at = time.time()
 
     @classmethod
     def of_finished(cls, job) -> "Status":
@@ -160,8 +173,10 @@ class Status:
         if self.outcome is not None:
             end = self.ended_at or now
             parts = [self.outcome, f"{self.world_size} ranks"] + ([where] if where else []) + \
-                [_clock(end - self.started_at)]
+                [_clock(end - self.started_at)] + ([self.restart] if self.restart else [])
             return " · ".join(parts)
+        if self.queued is not None:
+            return f"queued: {self.queued}, {_clock(now - self.queued_since)}"
         if len(self.ready) < self.world_size and not self.exited:
             parts = [f"starting: {len(self.ready)}/{self.world_size} ranks ready"]
         else:
@@ -172,6 +187,10 @@ class Status:
         eta = self.eta(reducer, now)
         if eta is not None:
             parts.append(f"ETA {_clock(eta)}")
+        if self.restart:
+            parts.append(self.restart)
+        if self.stopping:
+            parts.append(self.stopping)
         return " · ".join(parts)
 
 
@@ -181,7 +200,12 @@ class Curves:
     def __init__(self):
         self.points: dict[tuple[str, str], tuple[list, list]] = {}
         self.partial: dict[tuple[str, str], tuple[list, list]] = {}
+        self.restarts: list[tuple[str, float]] = []  # (x key, x) where an attempt failed and the job restarted
         self.version = 0
+
+    def mark_restart(self, key: str, x: float) -> None:
+        self.restarts.append((key, x))
+        self.version += 1
 
     def add(self, update: dict) -> None:
         key = "step" if "step" in update else "epoch"
@@ -193,6 +217,9 @@ class Curves:
             if name in META_KEYS:
                 continue
             xs, ys = self.points.setdefault((key, name), ([], []))
+            while xs and xs[-1] >= x:  # a restarted attempt replays these x values: its points replace them
+                xs.pop()
+                ys.pop()
             xs.append(x)
             ys.append(value)
             if name in partial:
@@ -206,6 +233,7 @@ class Curves:
         return {
             "points": {k: (list(xs), list(ys)) for k, (xs, ys) in self.points.items()},
             "partial": {k: (list(xs), list(ys)) for k, (xs, ys) in self.partial.items()},
+            "restarts": list(self.restarts),
         }
 
 
@@ -234,6 +262,8 @@ class Plot:
         self._figure = None
         self._layout = None
         self._lines: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._axes: list[tuple[Any, str]] = []  # (axes, x key)
+        self._markers: list[Any] = []  # the restart lines drawn
 
     def render(self, snapshot: dict, title: str | None = None, compress_level: int = 1) -> bytes | None:
         """The figure as PNG bytes, or None when there is nothing to draw."""
@@ -256,6 +286,11 @@ class Plot:
             line.set_marker("o" if len(xs) <= 40 else "")
             pxs, pys = snapshot["partial"].get(ident, ([], []))
             partial_line.set_data(pxs, pys)
+        for marker in self._markers:
+            marker.remove()
+        self._markers = [ax.axvline(x, color="tab:red", linestyle=":", linewidth=1)
+                         for ax, key in self._axes for restart_key, x in snapshot.get("restarts", ())
+                         if restart_key == key]
         for ax in self._figure.axes:
             ax.relim()
             ax.autoscale_view()
@@ -277,8 +312,10 @@ class Plot:
         figure.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.5 / height,
                                top=1 - top / height, wspace=0.35, hspace=0.6)
         self._lines = {}
+        self._axes, self._markers = [], []
         for index, (group, key) in enumerate(order):
             ax = figure.add_subplot(rows, columns, index + 1)
+            self._axes.append((ax, key))
             ax.set_title(group, fontsize=10)
             ax.set_xlabel(key, fontsize=8)
             ax.tick_params(labelsize=8)
@@ -527,8 +564,42 @@ class Watcher:
                 self.status.training_since = time.time()
         elif kind == protocol.EXITED:
             self.status.exited.add(rank)
+        elif kind == protocol.SCHEDULER:
+            with self.lock:
+                self.status.scheduled(body)
+            if self.status.queued is not None:
+                self._first_report()  # the dashboard shows while the job waits in the queue
         elif kind == protocol.ENDED:
             self._ended(body)
+        elif kind == protocol.STOPPING:
+            with self.lock:
+                self.status.stopping = f"stopping at the next batch (asked by {body['by']})"
+        elif kind == protocol.RESTARTED:
+            self._restarted(body)
+        elif kind == protocol.RESUMED:
+            with self.lock:
+                self.status.restart = f"{self.status.restart}, resuming from epoch {body['epoch']}" \
+                    if self.status.restart else f"resuming from epoch {body['epoch']}"
+            print(f"ddp_notebook: attempt {getattr(self.job, 'attempt', 0) + 1} resumes from epoch "
+                  f"{body['epoch']}", file=sys.stderr)
+
+    def _restarted(self, body: dict) -> None:
+        """An attempt failed and the job runs again on fresh ranks: mark it on the curves and the status line."""
+        with self.lock:
+            reached = self.reducer.reached()
+            self.reducer.new_attempt()
+            self.job.history.attempts.append({"attempt": body["attempt"] - 1, "cause": body["cause"],
+                                              "at": reached})
+            key = Status.primary_key(self.reducer)
+            where = f" at {key} {reached[key]}" if key in reached else ""
+            if key in reached:
+                self.curves.mark_restart(key, reached[key] - 0.5)
+            status = self.status
+            status.restart = f"{body['cause']}{where} — attempt {body['attempt'] + 1} of {body['attempts']}"
+            status.ready.clear()
+            status.exited.clear()
+            status.progress.clear()
+        print(f"ddp_notebook: {status.restart}", file=sys.stderr)
 
     def _first_report(self) -> None:
         """Choose the view at the first report, so a job that reports nothing shows nothing."""
@@ -546,7 +617,10 @@ class Watcher:
             for update in updates:
                 self.curves.add(update)
             self.status.ended_at = self.job.ended_at or time.time()
-            if body.get("ok"):
+            stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
+            if stopped_text:
+                self.status.outcome = stopped_text
+            elif body.get("ok"):
                 self.status.outcome = "done"
             elif stopped:
                 self.status.outcome = "stopped"

@@ -12,7 +12,6 @@ when interrupted; the run itself goes on regardless.  Notebook side.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 import time
@@ -23,11 +22,11 @@ from ..wire import protocol
 from . import dashboard
 from ..wire.errors import Failure, RankError, blame
 from ..engine.job import EventSource
-from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX
+from ..engine.runfiles import RunFiles, message_of
+from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX, SLURM_RUN_SUFFIX
 
 POLL_S = 0.25
 QUIET_AFTER_FAILURE_S = 5.0  # a failed run's nodes may not write their end: the files' silence ends it
-_REPORT_KEYS = ("key", "x", "values", "total", "n", "sum", "epoch")
 
 Listener = Callable[[Any, str, int, dict], None]
 
@@ -36,30 +35,6 @@ Listener = Callable[[Any, str, int, dict], None]
 class RunSpec:
     world_size: int
     nnodes: int
-
-
-class _Tail:
-    """The new whole lines of one file; starts over when the file is replaced (a new run)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.offset = 0
-        self.inode: int | None = None
-
-    def read(self) -> list[bytes]:
-        try:
-            f = open(self.path, "rb")  # opened afresh each time: other hosts' writes show (close-to-open)
-        except FileNotFoundError:
-            return []
-        with f:
-            st = os.fstat(f.fileno())
-            if st.st_ino != self.inode or st.st_size < self.offset:
-                self.inode, self.offset = st.st_ino, 0
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return data[:end].splitlines()
 
 
 class FollowedRun(EventSource):
@@ -78,7 +53,7 @@ class FollowedRun(EventSource):
         self.nodes_ended: dict[int, bool] = {}  # node -> its ranks all finished without error
         self.failures: dict[int, Failure] = {}
         self._outcome: tuple[str, Any] | None = None
-        self._tails: dict[str, _Tail] = {}
+        self._files = RunFiles(run_dir)
         self._last_line_at = time.monotonic()
 
     @property
@@ -111,16 +86,7 @@ class FollowedRun(EventSource):
     # -- reading -----------------------------------------------------------------------------
     def poll(self) -> int:
         """Read what the files gained; the number of this run's lines taken."""
-        pattern = os.path.join(glob.escape(self.run_dir), f"{METRICS_PREFIX}*{METRICS_SUFFIX}")
-        for path in sorted(glob.glob(pattern)):
-            self._tails.setdefault(path, _Tail(path))
-        records = []
-        for tail in self._tails.values():
-            for raw in tail.read():
-                try:
-                    records.append(json.loads(raw))
-                except ValueError:
-                    continue  # not a line of ours
+        records = self._files.new_records()
         if self.run_id is None:
             starts = [r for r in records if r.get("event") == protocol.FILE_START]
             if not starts:
@@ -141,19 +107,14 @@ class FollowedRun(EventSource):
 
     def _take(self, record: dict) -> None:
         event, rank = record.get("event"), record.get("rank", -1)
-        if event == protocol.FILE_START:
+        message = message_of(record)
+        if event == protocol.FAILED and rank not in self.failures:
+            self.failures[rank] = Failure(rank, record["etype"], record["message"], record["traceback"],
+                                          record["time"], record["kind"])
+        if message is not None:
+            self.emit(*message)
+        elif event == protocol.FILE_START:
             self.nodes_started.add(record["node"])
-        elif event == protocol.READY:
-            self.emit(protocol.READY, rank, {})
-        elif event == protocol.METRIC:
-            self.emit(protocol.METRIC, rank, {"reports": [{k: record[k] for k in _REPORT_KEYS if k in record}]})
-        elif event == protocol.PROGRESS:
-            self.emit(protocol.PROGRESS, rank, {"done": record["done"], "total": record["total"]})
-        elif event == protocol.FAILED:
-            if rank not in self.failures:
-                self.failures[rank] = Failure(rank, record["etype"], record["message"], record["traceback"],
-                                              record["time"], record["kind"])
-            self.emit(protocol.FAILED, rank, record)
         elif event == protocol.FILE_EXIT:
             if record.get("lost") and rank not in self.failures:
                 self.failures[rank] = Failure(rank, "RankDied", f"rank {rank} ended without reporting an error",
@@ -180,6 +141,14 @@ class FollowedRun(EventSource):
         self.emit(protocol.ENDED, -1, {"ok": ok})
 
 
+def _run_dir_in(folder: str) -> str:
+    """``folder`` itself, or for a Slurm job's folder (submitit's) the run directory its ranks wrote in it."""
+    if glob.glob(os.path.join(glob.escape(folder), f"{METRICS_PREFIX}*{METRICS_SUFFIX}")):
+        return folder
+    runs = glob.glob(os.path.join(glob.escape(folder), f"*{SLURM_RUN_SUFFIX}"))
+    return max(runs, key=os.path.getmtime) if runs else folder
+
+
 def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, callbacks: list | tuple = (),
            poll: float = POLL_S) -> FollowedRun:
     """Show the live dashboard of a job run from an exported script, from its run directory.
@@ -187,12 +156,13 @@ def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, cal
     Reads the ``metrics-node*.jsonl`` files that the nodes write there (the
     export's ``--run-dir``, default beside the script; on a shared filesystem,
     or copied here) and reduces them over all ranks into ``run.history``, as for
-    a job the notebook started.  The newest run in the directory is shown.  With
+    a job the notebook started.  The newest run in the directory is shown; a
+    Slurm job's folder (``%%ddp --executor``, ``--detach``) works too.  With
     ``wait`` it follows the run until every node has ended (or shortly after a
     failure), at most ``timeout`` seconds, or until interrupted; without, it
     shows what is there now.  ``callbacks`` get each reduced record.
     """
-    run_dir = os.path.abspath(os.path.expanduser(os.fspath(run_dir)))
+    run_dir = _run_dir_in(os.path.abspath(os.path.expanduser(os.fspath(run_dir))))
     run = FollowedRun(run_dir, callbacks)
     started = time.monotonic()
     told_waiting = False

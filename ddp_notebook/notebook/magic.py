@@ -166,6 +166,15 @@ class DDPMagics(Magics):
               help="seed python, numpy and torch identically on every rank before the cell runs")
     @argument("--timeout", type=float, default=None, metavar="SECONDS",
               help="bound for each collective (passed to init_process_group)")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="when a rank fails, stop every rank and run the cell again on fresh ranks, up to N times "
+                   "(ddp_notebook.attempt(), ddp_notebook.resume())")
+    @argument("--grace", type=float, default=10.0, metavar="SECONDS",
+              help="after the first interrupt (or Stop), how long the ranks may take to reach a batch boundary "
+                   "and stop gracefully before they are stopped hard")
+    @argument("--log-dir", default=None, metavar="DIR",
+              help="also write every rank's complete output to DIR/rank<N>.log (job.logs(rank) keeps the newest "
+                   "16 MB in memory)")
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
@@ -189,6 +198,12 @@ class DDPMagics(Magics):
               help="the notebook's node: 0 (the other nodes run under torchrun)")
     @argument("--master-addr", default=None, metavar="HOST",
               help="with --nnodes: this host's address, as the other hosts reach it")
+    @argument("--executor", default=None, metavar="NAME",
+              help="a submitit executor in the notebook: run the cell on the tasks of a Slurm job (one rank "
+                   "per task, nodes x tasks_per_node ranks)")
+    @argument("--detach", action="store_true",
+              help="with --executor: leave the Slurm job running on its own and return its handle; "
+                   "ddp_notebook.follow(handle.folder) shows it from any kernel")
     @cell_magic
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of a DDP job.
@@ -209,9 +224,13 @@ class DDPMagics(Magics):
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
         export_only = args.export is not None and args.nnodes == 1
-        warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only)
+        executor = _executor(shell, args.executor)
+        warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only, executor)
         try:
-            job_spec.check_options(args.port, args.seed, args.timeout)
+            job_spec.check_options(args.port, args.seed, args.timeout, max_restarts=args.max_restarts,
+                                   nnodes=args.nnodes)
+            if not args.grace > 0:
+                raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
             payload.check_syntax(cell, 1, f"Cell In[{number}]")
             _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
@@ -227,8 +246,8 @@ class DDPMagics(Magics):
             spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
                 timeout=args.timeout, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                export=args.export, output_ranks=output_ranks)
-            if warm is not None:
+                export=args.export, output_ranks=output_ranks, executor=executor)
+            if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name
                 names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
             sources = payload.notebook_sources()
             sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
@@ -239,9 +258,13 @@ class DDPMagics(Magics):
                                            timeout=args.timeout, backend=args.backend)
                 print(exported.summary(args.cpus or _gpu_count(args.gpus) or "N"))
                 return None
+            if args.detach:
+                return api.submit_detached(spec, task)
             relay = background_relay(output_ranks) if args.background else None
             job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
-                                       relay=relay, targets=targets, background=args.background)
+                                       relay=relay, targets=targets, background=args.background,
+                                       max_restarts=args.max_restarts, log_dir=args.log_dir)
+            job.stop_grace = args.grace
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
@@ -262,6 +285,8 @@ class DDPMagics(Magics):
             results = job.result()
         finally:
             settle(job)
+        if job.stopped_text:
+            print(f"ddp_notebook: {job.stopped_text}", file=sys.stderr)
         if returns:
             _take_returns(shell, results[0])
 
@@ -321,6 +346,23 @@ class DDPMagics(Magics):
         print("warm pool stopped")
 
     @line_magic
+    def ddp_stacks(self, line: str):
+        """Show where every rank of a running job is (its Python stack, ranks with the same stack together):
+        ``%ddp_stacks`` for the latest running background job or the warm pool's, ``%ddp_stacks 3`` for job #3."""
+        running = [job for job in engine_job.background_jobs() if job.status == "running"]
+        warm = pool_module.current()
+        if warm is not None and warm.busy is not None and warm.busy not in running:
+            running.append(warm.busy)
+        if line.strip():
+            running = [job for job in running if str(job.task_id) == line.strip().lstrip("#")]
+        if not running:
+            print("no running background or warm-pool job" + (f" #{line.strip()}" if line.strip() else "")
+                  + " (a hung foreground cell: kill -USR2 <the kernel's pid>, see docs/long-runs.md)")
+            return
+        job = running[-1]
+        print(f"job #{job.task_id}:\n{job.stacks()}")
+
+    @line_magic
     def ddp_jobs(self, line: str):
         """List this kernel's background jobs (``%%ddp --background``, ``launch(..., background=True)``)."""
         jobs = engine_job.background_jobs()
@@ -345,8 +387,44 @@ class DDPMagics(Magics):
         return picker.gpu_picker()
 
 
+def _notebook_value(shell, flag: str, name: str, hint: str = ""):
+    """The notebook's object that a flag names, dotted attributes included (``--callback log.append``)."""
+    head, *attributes = name.split(".")
+    if head not in shell.user_ns:
+        raise UsageError(f"{flag} {name}: no such name in the notebook{hint}")
+    value = shell.user_ns[head]
+    try:
+        for attribute in attributes:
+            value = getattr(value, attribute)
+    except AttributeError as exc:
+        raise UsageError(f"{flag} {name}: {exc}") from None
+    return value
+
+
+def _executor(shell, name: str | None):
+    """The notebook's submitit executor that ``--executor NAME`` names."""
+    if name is None:
+        return None
+    return _notebook_value(shell, "--executor", name, " (make one with ex = submitit.AutoExecutor(folder=...))")
+
+
 def _check_node_flags(args, export_only: bool) -> None:
-    """Refuse flags that do not go together with --export or --nnodes."""
+    """Refuse flags that do not go together with --export, --nnodes, --executor or --detach."""
+    if args.executor is not None:
+        clash = [flag for flag, given in (("--export", args.export), ("--ranks", args.ranks),
+                                          ("--run-dir", args.run_dir)) if given]
+        if clash:
+            raise LaunchError(f"--executor runs the cell as a Slurm job; {', '.join(clash)} do not go with it")
+    if args.detach:
+        if args.executor is None:
+            raise LaunchError("--detach leaves a Slurm job running on its own: it goes with --executor")
+        clash = [flag for flag, given in (("--return", args.returns), ("--background", args.background),
+                                          ("--callback", args.callbacks), ("--tensorboard", args.tensorboard))
+                 if given]
+        if clash:
+            raise LaunchError(f"--detach returns at once and the job reports to files, not to this kernel; "
+                              f"{', '.join(clash)} need the kernel to follow the job (ddp_notebook.follow shows a "
+                              f"detached job's metrics)")
     if args.nnodes == 1:
         if args.node_rank != 0 or args.master_addr is not None:
             raise LaunchError("--node-rank and --master-addr go with --nnodes (a job on several hosts)")
@@ -432,12 +510,15 @@ def background_relay(output_ranks: set[int] | None = None):
 def _start_in_background(shell, job, returns: list[str], relay, settle):
     def finished(job):
         settle(job)
-        if job.status == "done" and returns:
+        if job.results is not None and returns:
             result = job.results[0]
             shell.user_ns.update(result.values)
             missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
-            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} done: {', '.join(result.values)} "
+            how = job.stopped_text or "done"
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
                                      f"copied into the notebook{missing}\n")
+        elif job.stopped_text:
+            relay.area.append_stdout(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
         elif job.status == "failed":
             relay.area.append_stderr(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":
@@ -484,18 +565,13 @@ def _metric_callbacks(shell, args) -> list:
 
     found = []
     for name in args.callbacks:
-        head, *attributes = name.split(".")
-        if head not in shell.user_ns:
-            if name == "wandb":
-                found.append(callbacks.WandB())
-                continue
-            raise UsageError(f"--callback {name}: no such name in the notebook")
-        value = shell.user_ns[head]
+        if name == "wandb" and name not in shell.user_ns:
+            found.append(callbacks.WandB())
+            continue
+        value = _notebook_value(shell, "--callback", name)
         try:
-            for attribute in attributes:  # --callback log.append
-                value = getattr(value, attribute)
             found.append(callbacks.resolve(value))
-        except (AttributeError, TypeError) as exc:
+        except TypeError as exc:
             raise UsageError(f"--callback {name}: {exc}") from None
     if args.tensorboard:
         found.append(callbacks.TensorBoard(args.tensorboard))

@@ -28,6 +28,7 @@ import torch
 
 from . import context
 from .data import rank_and_world_size
+from ..wire import protocol
 from ..wire.payload import unwrap_model
 
 FORMAT = "ddp_notebook.checkpoint/1"
@@ -503,6 +504,26 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
                 f"(dropout, augmentation) will differ from the uninterrupted run; the data order does not depend "
                 f"on it.", ResumeWarning, stacklevel=2)
     return loaded
+
+
+def resume(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+           loader: Any = None) -> int:
+    """The epoch a loop starts from: 0 when there is no checkpoint at ``path`` yet, else the one after the
+    checkpoint's, with everything :func:`load_checkpoint` restores (weights, optimizer, sampler epoch and this
+    rank's RNG state).
+
+    Written ``for epoch in range(resume(path, model, opt, loader), epochs)`` with ``save_checkpoint`` each epoch,
+    a loop restarted by ``--max-restarts`` continues where the failed attempt last saved.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        return 0
+    loaded = load_checkpoint(path, model, optimizer, loader=loader, restore_rng=True)
+    ctx = context.current()
+    if ctx is not None and ctx.rank == 0:
+        task = {"task": ctx.extra["task"]} if "task" in ctx.extra else {}
+        context.send(protocol.RESUMED, {**task, "epoch": loaded.next_epoch})
+    return loaded.next_epoch
 
 
 # -- best checkpoints ----------------------------------------------------------------------------

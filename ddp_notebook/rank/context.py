@@ -46,6 +46,17 @@ def current() -> RankContext | None:
     return _current
 
 
+def attempt() -> int:
+    """Which attempt of the job this is: 0, then 1, 2, ... after each restart (``--max-restarts``).
+
+    Under torchrun it is the agent's restart count (``TORCHELASTIC_RESTART_COUNT``); 0 outside a job.
+    """
+    ctx = current()
+    if ctx is not None and "attempt" in ctx.extra:
+        return int(ctx.extra["attempt"])
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def send(kind: str, body: dict) -> bool:
     """Send an event to the notebook if there is one; True when sent."""
     ctx = current()

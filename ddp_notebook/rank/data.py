@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from . import context, metrics
+from . import context, metrics, stopping
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -128,22 +128,32 @@ class DistributedLoader(DataLoader):
         self.sampler.set_epoch(self._next_epoch)
 
     def __iter__(self):
+        stopping.check_not_stopped()  # iterated again after a graceful stop: the cell ends here
         self.sampler.set_epoch(self._next_epoch)
         self._next_epoch += 1
         batches = super().__iter__()
         progress = _progress_reporter() if self.report_progress else None
-        if progress is None:
+        ctx = context.current()
+        stoppable = ctx is not None and ctx.sender is not None and not isinstance(self.sampler, ExactDistributedSampler)
+        if progress is None and not stoppable:
             return batches
-        return self._reporting(batches, progress)
+        return self._watching(batches, progress, stoppable)
 
-    def _reporting(self, batches, progress):
+    def _watching(self, batches, progress, stoppable: bool):
+        """Report progress, and end the epoch early at the batch every rank agreed to stop at."""
         total = len(self)
         done = 0
-        progress(done, total)
+        if stoppable:
+            stopping.announce()
+        if progress is not None:
+            progress(done, total)
         for batch in batches:
+            if stoppable and stopping.at_boundary({"epoch": self.epoch, "batch": done}):
+                return
             yield batch
             done += 1
-            progress(done, total)
+            if progress is not None:
+                progress(done, total)
 
 
 def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, exact: bool = False, *,

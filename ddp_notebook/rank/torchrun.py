@@ -42,6 +42,7 @@ from . import worker
 FAILED_WAIT_S = 5.0  # a node whose own rank failed waits this long for its other ranks' last events
 PROGRESS_EVERY_S = 1.0  # progress lines per rank in the metrics file, at most
 SYNC_EVERY_S = 1.0  # the metrics file is fsynced this often (readers on other hosts see it)
+DEVICE_INDEX_ENV = "DDP_NOTEBOOK_DEVICE_INDEX"  # the rank's GPU among those it sees, when not LOCAL_RANK
 
 
 def main(manifest_path: str, argv: list[str]) -> int:
@@ -92,25 +93,33 @@ def _node() -> int:
 
 def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
     notebook = run.get("notebook")
+    files_if_unreachable = notebook is not None and notebook.get("files_if_unreachable", False)
     sender = finished = None
     if notebook is not None:
-        connected = _connect_notebook(ctx, notebook)
-        if connected is None:
+        connected = _connect_notebook(ctx, notebook, quiet=files_if_unreachable)
+        if connected is not None:
+            sender, finished = connected
+        elif not files_if_unreachable or _notebook_gone(ctx, notebook, here):
             return 1
-        sender, finished = connected
     log = None
     try:
         import torch
 
         gpus = torch.cuda.is_available()
-        if gpus and ctx.local_rank >= torch.cuda.device_count():
+        index = int(os.environ.get(DEVICE_INDEX_ENV, ctx.local_rank))  # set where a scheduler binds a GPU per rank
+        if gpus and index >= torch.cuda.device_count():
             raise RuntimeError(f"local rank {ctx.local_rank} has no GPU of its own: this node has "
                                f"{torch.cuda.device_count()}; give torchrun --nproc-per-node "
                                f"{torch.cuda.device_count()} or fewer")
-        worker.set_device(ctx, gpus)
+        worker.set_device(ctx, gpus, index)
         worker.join_group(ctx, run["backend"] or ("nccl" if gpus else "gloo"), run["timeout"])
+        if files_if_unreachable:
+            unreached = _unreached(ctx, sender is not None)
+            if unreached:  # every rank reports through the files, so that one way holds the whole run
+                _leave_notebook(sender, finished, unreached, ctx.extra.get("unreached_why"), run_dir)
+                sender = finished = notebook = None
         if notebook is None:
-            log = NodeLog(ctx, run_dir)
+            log = NodeLog(ctx, run_dir, keep_results=run.get("results_to_files", False))
             ctx.sender = log.sender
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is told
         failure = worker.failure_report(exc, {}, kind="startup")
@@ -121,15 +130,13 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         return 1
     if sender is not None:
         sender.send(protocol.READY, {})
-    failure = worker.run_task(ctx, sender, notebook["task"] if notebook else 0, lambda: _load_task(run, here),
-                              run["seed"], {})
+    failure = worker.run_task(ctx, sender or log.sender, notebook["task"] if notebook else 0,
+                              lambda: _load_task(ctx, run, here), run["seed"], {})
     if failure is not None:
         _tell(ctx, failure, notebook)
     if finished is not None:
         finished.set()  # from here on, the notebook may close the channel
     if log is not None:
-        if failure is not None:
-            log.sender.send(protocol.FAILED, failure)
         log.close(failed=failure is not None)
     if sender is not None:
         sender.send(protocol.BYE, {})
@@ -144,11 +151,27 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
     return 0 if failure is None else 1
 
 
-def _load_task(run: dict, here: str):
+def _load_task(ctx: context.RankContext, run: dict, here: str):
     with sharing.loading():
         if run["arrays"]:
             sharing.map_export_arrays(os.path.join(here, run["arrays"]))
-        return pickle.loads(run["task"])
+        task = pickle.loads(run["task"])
+    if run.get("remove_after_load"):
+        _loaded(here, ctx.rank, ctx.world_size)
+    return task
+
+
+def _loaded(here: str, rank: int, world_size: int) -> None:
+    """This rank is done with the export: the last rank to say so removes it (its arrays stay mapped where used).
+
+    Markers rather than a collective: a rank that fails to load must not leave the others waiting.
+    """
+    try:
+        open(os.path.join(here, f"loaded-rank{rank}"), "w").close()
+        if len([n for n in os.listdir(here) if n.startswith("loaded-rank")]) >= world_size:
+            shutil.rmtree(here, ignore_errors=True)
+    except OSError:
+        pass  # removed already by another rank, or by the notebook
 
 
 def _tell(ctx: context.RankContext, failure: dict, notebook: dict | None) -> None:
@@ -161,11 +184,14 @@ def _tell(ctx: context.RankContext, failure: dict, notebook: dict | None) -> Non
 
 # -- a notebook runs node 0 ----------------------------------------------------------------------
 
-def _connect_notebook(ctx: context.RankContext, notebook: dict):
+def _connect_notebook(ctx: context.RankContext, notebook: dict, quiet: bool = False):
     host, port = notebook["address"]
     try:
-        conn = channel.connect((host, port), bytes.fromhex(notebook["key"]))
+        conn = channel.connect((host, port), bytes.fromhex(notebook["key"]), notebook.get("connect_timeout"))
     except Exception as exc:  # refused, unreachable, or a key that is not this job's
+        if quiet:
+            ctx.extra["unreachable"] = f"{type(exc).__name__}: {exc}"
+            return None
         print(f"ddp_notebook: rank {ctx.rank} cannot reach the notebook that runs node 0 of this job at "
               f"{host}:{port} ({type(exc).__name__}: {exc}). This export belongs to that notebook's run of the "
               f"cell: start it while the cell runs, or export the cell again without --nnodes to run it on its "
@@ -178,6 +204,48 @@ def _connect_notebook(ctx: context.RankContext, notebook: dict):
     threading.Thread(target=_watch_notebook, args=(ctx, conn, finished, notebook), name="ddp-notebook-watch",
                      daemon=True).start()
     return sender, finished
+
+
+def _notebook_gone(ctx: context.RankContext, notebook: dict, here: str) -> bool:
+    """True when the kernel that submitted this job has stopped touching its heartbeat file (killed while the job
+    waited in the queue): a kernel that is alive but cannot be reached keeps it fresh."""
+    heartbeat = notebook.get("heartbeat")
+    if heartbeat is None:
+        return False
+    try:
+        with open(os.path.join(here, heartbeat["file"])) as f:
+            age = time.time() - float(f.read())
+    except (OSError, ValueError):
+        age = float("inf")
+    if age <= heartbeat["stale_after"]:
+        return False
+    when = "is gone" if age == float("inf") else f"stopped answering {age:.0f} s ago"
+    print(f"ddp_notebook: rank {ctx.rank}: the notebook that submitted this job {when} (its kernel ended while the "
+          f"job was queued?): the cell is not run", file=sys.stderr, flush=True)
+    _loaded(here, ctx.rank, ctx.world_size)  # nobody else is left to remove the export; other ranks may still read it
+    return True
+
+
+def _unreached(ctx: context.RankContext, reached: bool) -> list[int]:
+    """The ranks that could not reach the notebook (every rank learns all of them)."""
+    import torch.distributed as dist
+
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, {"reached": reached, "why": ctx.extra.get("unreachable")})
+    ctx.extra["unreached_why"] = next((e["why"] for e in everyone if not e["reached"]), None)
+    return [rank for rank, e in enumerate(everyone) if not e["reached"]]
+
+
+def _leave_notebook(sender, finished, unreached: list[int], why: str | None, run_dir: str) -> None:
+    """Tell the notebook (from a rank that reached it) that the run reports through files, then hang up."""
+    if sender is None:
+        return
+    names = ", ".join(map(str, unreached[:8])) + (", ..." if len(unreached) > 8 else "")
+    reason = f"rank(s) {names} could not reach it" + (f" ({why})" if why else "")
+    sender.send(protocol.FILES, {"reason": reason, "run_dir": run_dir})
+    sender.flush()
+    finished.set()
+    sender.close()
 
 
 def _watch_notebook(ctx: context.RankContext, conn, finished: threading.Event, notebook: dict) -> None:
@@ -206,7 +274,7 @@ class NodeLog:
     the process group (one ``all_gather_object`` at start).
     """
 
-    def __init__(self, ctx: context.RankContext, run_dir: str):
+    def __init__(self, ctx: context.RankContext, run_dir: str, keep_results: bool = False):
         import torch.distributed as dist
 
         self.ctx = ctx
@@ -229,7 +297,8 @@ class NodeLog:
                 start = {"event": protocol.FILE_START, "world_size": ctx.world_size,
                          "nnodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
                          "local_world_size": ctx.local_world_size, "host": socket.gethostname()}
-                self._writer = _Writer(server, metrics_path(run_dir, self.node), head, start, ctx.local_world_size)
+                self._writer = _Writer(server, metrics_path(run_dir, self.node), head, start, ctx.local_world_size,
+                                       keep_results)
         except BaseException:
             if server is not None and self._writer is None:
                 server.close()
@@ -261,10 +330,13 @@ class _Writer:
     sees whole lines of one run.
     """
 
-    def __init__(self, server: channel.ChannelServer, path: str, head: dict, start: dict, local_world_size: int):
+    def __init__(self, server: channel.ChannelServer, path: str, head: dict, start: dict, local_world_size: int,
+                 keep_results: bool = False):
         self.server = server
+        self.keep_results = keep_results  # each rank's return value to result-rank<R>.pkl beside the file
         self.head = head
         self.local_world_size = local_world_size
+        self.path = path
         tmp = f"{path}.{os.getpid()}.new"
         self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         os.replace(tmp, path)
@@ -331,6 +403,9 @@ class _Writer:
                     if body["done"] >= body["total"] or now - self._progress.get(rank, -1e9) >= PROGRESS_EVERY_S:
                         self._progress[rank] = now
                         self._line({"event": protocol.PROGRESS, "rank": rank, "done": body["done"], "total": body["total"]})
+                elif kind == protocol.RESULT and self.keep_results:
+                    self._line({"event": protocol.FILE_RESULT, "rank": rank,
+                                "file": self._keep(protocol.result_name(rank), body["value"])})
                 elif kind == protocol.FAILED:
                     self.failed = True
                     self._line({"event": protocol.FAILED, "rank": rank, **{k: body[k] for k in
@@ -345,6 +420,16 @@ class _Writer:
                 self.done.add(rank)
                 self.failed = True
                 self._line({"event": protocol.FILE_EXIT, "rank": rank, "lost": True})
+
+    def _keep(self, name: str, data: bytes) -> str:
+        """Write a file beside the metrics file, whole before it has its name."""
+        path = os.path.join(os.path.dirname(self.path), name)
+        with open(f"{path}.{os.getpid()}.new", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f"{path}.{os.getpid()}.new", path)
+        return name
 
     def finish(self, wait: float | None) -> None:
         self._deadline = None if wait is None else time.monotonic() + wait

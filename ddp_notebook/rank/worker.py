@@ -20,7 +20,7 @@ import queue
 
 from ..wire import protocol
 from ..wire import channel
-from . import context
+from . import context, stopping
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -54,6 +54,9 @@ def _receive_tasks(conn, tasks: "queue.Queue") -> None:
         except (EOFError, OSError):
             _die_with_group()
             return
+        if msg[0] == protocol.STOP:  # now, while the main thread runs the task
+            stopping.request(msg[1]["task"])
+            continue
         tasks.put(msg)
         if msg[0] == protocol.EXIT:
             return
@@ -72,13 +75,14 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def set_device(ctx: context.RankContext, gpus: bool) -> None:
-    """The rank's device: its own GPU (``cuda:LOCAL_RANK`` of the GPUs it sees), or the CPU."""
+def set_device(ctx: context.RankContext, gpus: bool, index: int | None = None) -> None:
+    """The rank's device: its own GPU (``cuda:LOCAL_RANK`` of the GPUs it sees, or ``cuda:index``), or the CPU."""
     import torch
 
     if gpus:
-        torch.cuda.set_device(ctx.local_rank)
-        ctx.device = torch.device("cuda", ctx.local_rank)
+        index = ctx.local_rank if index is None else index
+        torch.cuda.set_device(index)
+        ctx.device = torch.device("cuda", index)
     else:
         ctx.device = torch.device("cpu")
     sharing.set_rank_device(ctx.device)
@@ -118,6 +122,8 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
     )
     join_group(ctx, boot["backend"], boot.get("timeout"), store)
     ctx.extra["store"] = store
+    if boot["backend"] != "gloo":  # a graceful stop's flag is reduced on the CPU
+        ctx.extra["cpu_group"] = dist.new_group(backend="gloo")
 
 
 def _sync(ctx, sender, body: dict) -> None:
@@ -186,7 +192,9 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.clear()
         if sender is not None:
-            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value)})
+            stopped = stopping.stopped_at()
+            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
+                                          **({"stopped": stopped} if stopped else {})})
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()
@@ -249,6 +257,9 @@ def serve(boot: dict) -> None:
     sys.path[:] = boot["sys_path"]
     global _job_dir
     _job_dir = boot.get("job_dir")
+    if _job_dir:  # job.stacks(): every thread's Python stack on SIGUSR1, even while blocked in C code
+        stacks = open(protocol.stacks_path(_job_dir, boot["rank"]), "a")
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))
     sender = channel.Sender(conn)
@@ -286,6 +297,8 @@ def serve(boot: dict) -> None:
             continue
         if kind != protocol.RUN:
             continue
+        ctx.extra["attempt"] = int(body.get("attempt", 0))
+        ctx.extra["task"] = body["task"]
         run_task(ctx, sender, body["task"], lambda: payload.load(body["path"]), body.get("seed"), namespace,
                  interruptible)
 

@@ -7,14 +7,16 @@ process without the key is refused before it can send anything.  Messages are
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import secrets
+import signal
 import socket
 import threading
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
-__all__ = ["ChannelServer", "connect", "Sender"]
+__all__ = ["ChannelServer", "connect", "Sender", "whole_message"]
 
 
 class ChannelServer:
@@ -101,9 +103,21 @@ class ChannelServer:
             conn.close()
 
 
-def connect(address: tuple[str, int], key: bytes) -> Connection:
-    """Rank side: connect to the notebook's channel."""
-    return Client(tuple(address), family="AF_INET", authkey=key)
+def connect(address: tuple[str, int], key: bytes, timeout: float | None = None) -> Connection:
+    """Rank side: connect to the notebook's channel (giving up after ``timeout`` seconds when it is given: a
+    firewall may drop the attempt without an answer)."""
+    if timeout is None:
+        return Client(tuple(address), family="AF_INET", authkey=key)
+    sock = socket.create_connection(tuple(address), timeout=timeout)
+    sock.setblocking(True)  # Connection reads and writes the bare descriptor
+    conn = Connection(sock.detach())
+    try:
+        answer_challenge(conn, key)  # as Client does
+        deliver_challenge(conn, key)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 class Sender:
@@ -139,3 +153,34 @@ class Sender:
 
     def flush(self) -> None:
         self._queue.join()
+
+    def close(self) -> None:
+        """Send what is queued, end the sending thread and close the connection."""
+        self._queue.put(None)
+        self._thread.join()
+        self._conn.close()
+
+
+@contextlib.contextmanager
+def whole_message():
+    """Hold an interrupt (SIGINT on the main thread) until the message being read or written is whole.
+
+    An interrupt between a message's length and its bytes would leave the
+    stream out of step: the next read would take data for a length and wait
+    forever.  The interrupt is raised as usual once the message is through.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, held[0])
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)  # as it would have been
+

@@ -38,6 +38,13 @@ class JobStopped(DDPNotebookError):
         return type(self), (self.job_id, self.by)
 
 
+class TrainingStopped(BaseException):
+    """Raised in a rank by a loader iterated again after a graceful stop: the cell ends there, normally.
+
+    A ``BaseException``, so that a cell's ``except Exception`` does not swallow it.
+    """
+
+
 @dataclass
 class Failure:
     """What one rank reported (or what its exit told) about why it failed."""
@@ -56,11 +63,12 @@ class Failure:
 class RankError(DDPNotebookError, RuntimeError):
     """A rank failed; ``rank`` is the one that failed first, ``failures`` all reports."""
 
-    def __init__(self, failure: Failure, failures: list[Failure], note: str = ""):
+    def __init__(self, failure: Failure, failures: list[Failure], note: str = "", earlier: list[str] | None = None):
         self.rank = failure.rank
         self.failure = failure
         self.failures = failures
         self.note = note
+        self.earlier = list(earlier or [])  # why each earlier attempt failed, when restarts ran out
         super().__init__(self.render())
 
     def summary(self) -> str:
@@ -71,6 +79,10 @@ class RankError(DDPNotebookError, RuntimeError):
 
     def render(self) -> str:
         parts = [self.summary()]
+        if self.earlier:  # restarts ran out: the earlier attempts' causes above the last one's error
+            parts = [f"every attempt failed (restarts used up: {len(self.earlier)}); earlier attempts:"]
+            parts += [f"  {line}" for line in self.earlier]
+            parts.append(f"attempt {len(self.earlier) + 1}, the last: {self.summary()}")
         if self.note:
             parts.append(self.note)
         if self.failure.traceback:

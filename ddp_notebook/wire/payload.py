@@ -22,7 +22,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from . import sharing
-from .errors import LaunchError
+from .errors import LaunchError, TrainingStopped
 
 RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 
@@ -63,7 +63,10 @@ class CellTask:
         ns.setdefault("__builtins__", builtins)
         ns.update(self.names)
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
-        exec(compiled, ns)
+        try:
+            exec(compiled, ns)
+        except TrainingStopped:
+            pass  # a graceful stop: the names assigned so far are the result
         if ctx.rank != 0:
             return None
         return CellResult({n: ns[n] for n in self.returns if n in ns},
@@ -90,9 +93,12 @@ class CallTask:
 
     def run(self, ctx, namespace: dict | None = None) -> Any:
         self.sources.install()
-        if self.pass_rank:
-            return self.fn(ctx.rank, *self.args, **self.kwargs)
-        return self.fn(*self.args, **self.kwargs)
+        try:
+            if self.pass_rank:
+                return self.fn(ctx.rank, *self.args, **self.kwargs)
+            return self.fn(*self.args, **self.kwargs)
+        except TrainingStopped:
+            return None  # a graceful stop ended the function before it returned
 
 
 _WRAPPER_CLASSES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")  # (.module inside)

@@ -11,24 +11,31 @@ import os
 from typing import Any
 
 # The notebook to a rank
-RUN = "run"  # {task, path, seed}: load the task file and run it
+RUN = "run"  # {task, path, seed, attempt}: load the task file and run it (attempt: 0, then 1, 2, ... after restarts)
 SYNC = "sync"  # {task, timeout}: a warm pool's barrier after an interrupt
 EXIT = "exit"  # {}: leave cleanly
+STOP = "stop"  # {task}: stop gracefully at the next batch boundary (handled by the rank's receiving thread)
 
 # A rank to the notebook
 HELLO = "hello"  # {rank, pid[, node, host]}: the first message on a connection
 READY = "ready"  # {}: the process group is up
-RESULT = "result"  # {task, value}: the pickled return value (rank side: payload.dumps_result)
+RESULT = "result"  # {task, value[, stopped]}: (stopped: where a graceful stop ended it, {epoch, batch} or {step}) the pickled return value (rank side: payload.dumps_result)
 FAILED = "failed"  # {task, etype, message, traceback, time, kind}: see errors.Failure
 METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
 PROGRESS = "progress"  # {done, total}: progress() within an epoch
 SYNCED = "synced"  # {task}: answer to SYNC
 BYE = "bye"  # {}: the rank is leaving
+FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
+STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())
+RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
 
 # What a job adds for its listeners
 STARTED = "started"  # {world_size, port, pids}
 EXITED = "exited"  # {code}: a rank's process ended (code None: on another host)
 ENDED = "ended"  # {ok}
+SCHEDULER = "scheduler"  # {scheduler, job, state, reason, since[, mode, why]}: a scheduled job's place in its queue
+STOPPING = "stopping"  # {by, grace}: a graceful stop was asked; the ranks stop at the next batch boundary
+RESTARTED = "restarted"  # {attempt, attempts, cause, failure}: an attempt failed; the task runs again on fresh ranks
 
 # Metric records: what report() sends, reduced over ranks in the notebook.
 X_KEYS = ("epoch", "step")
@@ -41,12 +48,29 @@ METRICS_PREFIX, METRICS_SUFFIX = "metrics-node", ".jsonl"
 FILE_START = "start"  # {world_size, ...}: the first record of a node
 FILE_EXIT = "exit"  # {rank[, lost]}: a rank left (lost: its connection broke)
 FILE_END = "end"  # {ok}: the node's last record
+FILE_RESULT = "result"  # {rank, file}: the rank's pickled return value is in that file of the run directory
 RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
+SLURM_RUN_SUFFIX = "_ddp_notebook"  # a Slurm job's run directory: <job folder>/<job id>_ddp_notebook
+
+
+def stacks_path(job_dir: str, rank: int) -> str:
+    """Where a rank's faulthandler writes its Python stacks on SIGUSR1 (``job.stacks()``)."""
+    return os.path.join(job_dir, f"stacks-rank{rank}.txt")
 
 
 def metrics_path(run_dir: str, node: int) -> str:
     """The metrics file of node ``node`` of an exported run."""
     return os.path.join(run_dir, f"{METRICS_PREFIX}{node}{METRICS_SUFFIX}")
+
+
+def result_name(rank: int) -> str:
+    """The file (in the run directory) that holds a rank's pickled return value, for runs that keep them."""
+    return f"result-rank{rank}.pkl"
+
+
+def slurm_run_dir(job_folder: str, job_id: str) -> str:
+    """Where the ranks of a Slurm job write their metrics and results when they cannot reach the notebook."""
+    return os.path.join(job_folder, f"{job_id}{SLURM_RUN_SUFFIX}")
 
 
 def format_number(value: Any) -> str:

@@ -1,0 +1,118 @@
+"""Rank side of a graceful stop: every rank agrees to stop at the same batch boundary.
+
+The notebook sends ``STOP``; the rank's receiving thread marks the task (:func:`request`).  At each boundary
+(each batch of a ``distributed_loader``, each :func:`should_stop` call) every rank takes part in one small
+all-reduce of its mark, so all of them see the stop at the same boundary and no collective is left waiting.
+Under torchrun, with no notebook to ask for a stop, nothing is exchanged.
+"""
+from __future__ import annotations
+
+import threading
+
+from ..wire import protocol
+from ..wire.errors import TrainingStopped
+from . import context
+
+_requested: set = set()  # task ids the notebook asked to stop
+_lock = threading.Lock()
+
+
+def request(task_id) -> None:
+    """The notebook asks the task to stop (called on the rank's receiving thread)."""
+    with _lock:
+        _requested.add(task_id)
+
+
+class _State:
+    """One task's stop state in this rank."""
+
+    def __init__(self, task_id):
+        self.task_id = task_id
+        self.announced = False
+        self.agreed = False
+        self.where: dict | None = None
+        self.steps = 0
+
+
+def _state(ctx) -> _State | None:
+    task_id = ctx.extra.get("task")
+    state = ctx.extra.get("stop_state")
+    if state is None or state.task_id != task_id:
+        state = ctx.extra["stop_state"] = _State(task_id)
+    return state
+
+
+def _group(ctx):
+    """Where the flag is reduced: a CPU (gloo) group, also under nccl (made once at start-up)."""
+    return ctx.extra.get("cpu_group")
+
+
+def announce() -> None:
+    """Tell the notebook, once per task, that this task checks for a graceful stop."""
+    ctx = context.current()
+    if ctx is None or ctx.sender is None:
+        return
+    state = _state(ctx)
+    if not state.announced:
+        state.announced = True
+        context.send(protocol.STOPPABLE, {"task": state.task_id})
+
+
+def _agree(ctx, state: _State) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    announce()
+    with _lock:
+        mine = state.task_id in _requested
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_group(ctx))
+    return bool(flag.item())
+
+
+def at_boundary(where: dict) -> bool:
+    """True when every rank has agreed to stop here; ``where`` ({epoch, batch} or {step}) is then kept."""
+    ctx = context.current()
+    if ctx is None or ctx.sender is None:
+        return False
+    state = _state(ctx)
+    if state.agreed:
+        return True
+    if _agree(ctx, state):
+        state.agreed = True
+        state.where = dict(where)
+    return state.agreed
+
+
+def stopped_at() -> dict | None:
+    """Where a graceful stop ended the current task, or None."""
+    ctx = context.current()
+    if ctx is None:
+        return None
+    state = ctx.extra.get("stop_state")
+    return state.where if state is not None and state.task_id == ctx.extra.get("task") and state.agreed else None
+
+
+def check_not_stopped() -> None:
+    """A loader iterated again after the stop: end the cell here (it ends normally)."""
+    ctx = context.current()
+    if ctx is not None and ctx.sender is not None and _state(ctx).agreed:
+        raise TrainingStopped()
+
+
+def should_stop() -> bool:
+    """True on every rank at the same call once the notebook asked for a graceful stop (the stop button,
+    the dashboard's Stop, ``job.stop()``); for loops that use no ``distributed_loader``.
+
+    Every rank must call it equally often (it is a small collective); it stays True once True.
+    """
+    ctx = context.current()
+    if ctx is None or ctx.sender is None:
+        return False
+    state = _state(ctx)
+    if state.agreed:
+        return True
+    state.steps += 1
+    return at_boundary({"step": state.steps - 1})

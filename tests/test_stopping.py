@@ -1,0 +1,273 @@
+"""Graceful stop: the first interrupt (or Stop, or job.stop()) ends the cell at the same batch on every rank and
+hands the model back; a second interrupt, or no boundary within the grace period, stops hard."""
+import re
+import time
+
+import pytest
+
+import ddp_notebook
+from ddp_notebook import JobStopped
+from conftest import rank_processes
+from nbrun import gone, kernel, run_until_pids
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+LOADER_CELL = '''%%ddp --cpus 2 --return model
+import os, time
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+data = torch.utils.data.TensorDataset(torch.randn(400, 4), torch.randn(400, 1))
+loader = ddp_notebook.distributed_loader(data, batch_size=2)
+model = DDP(torch.nn.Linear(4, 1))
+print("PID", os.getpid(), flush=True)
+for epoch in range(1000):
+    seen = 0
+    for x, y in loader:
+        model(x).sum().backward()
+        seen += 1
+        time.sleep(0.02)
+    print(f"EPOCH-END rank {rank} epoch {epoch} batches {seen}", flush=True)
+'''
+
+STEP_CELL = '''%%ddp --cpus 2 --return steps
+import os, time
+import torch.distributed as dist
+print("PID", os.getpid(), flush=True)
+steps = 0
+while not ddp_notebook.should_stop():
+    dist.all_reduce(torch.ones(1))
+    steps += 1
+    time.sleep(0.01)
+print(f"LOOP-END rank {rank} steps {steps}", flush=True)
+'''
+
+STUCK_CELL = '''%%ddp --cpus 2
+import os, time
+data = torch.utils.data.TensorDataset(torch.randn(400, 4))
+loader = ddp_notebook.distributed_loader(data, batch_size=2)
+print("PID", os.getpid(), flush=True)
+for epoch in range(1000):
+    for (x,) in loader:
+        if epoch == 0 and rank == 1:
+            time.sleep(600)  # never reaches the next batch boundary
+'''
+
+
+def _interrupt_and_collect(km, kc, msg_id, interrupts=1, between=1.0):
+    """Interrupt the running cell ``interrupts`` times; its reply and what it printed."""
+    for i in range(interrupts):
+        if i:
+            time.sleep(between)
+        km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=60)
+    told = ""
+    while True:
+        msg = kc.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            told += msg["content"]["text"]
+        elif msg["msg_type"] == "error":
+            told += "\n".join(msg["content"]["traceback"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    return reply, told
+
+
+def _output(kc, code):
+    told = []
+    kc.execute_interactive(code, timeout=60, output_hook=lambda m: told.append(m["content"].get("text", ""))
+                           if m["msg_type"] == "stream" else None)
+    return "".join(told)
+
+
+@pytest.mark.kernel
+def test_the_stop_button_ends_a_loader_loop_at_the_same_batch_on_every_rank_and_hands_the_model_back(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, LOADER_CELL)
+        time.sleep(3)  # inside epoch 0 or later
+        reply, told = _interrupt_and_collect(km, kc, msg_id)
+        assert reply["content"]["status"] == "ok", told
+        assert "Traceback" not in told and "KeyboardInterrupt" not in told, told
+        stopped = re.search(r"ddp_notebook: stopped at epoch (\d+), batch (\d+)", told)
+        assert stopped, told
+        epoch, batch = map(int, stopped.groups())
+        ends = re.findall(r"EPOCH-END rank (\d) epoch (\d+) batches (\d+)", told)
+        last = {rank: (int(e), int(b)) for rank, e, b in ends}  # each rank's last epoch: the one cut short
+        assert last == {"0": (epoch, batch), "1": (epoch, batch)}, told
+        assert 0 < batch < 100
+        assert _output(kc, "print(type(model).__name__, model.weight.shape)").strip() == \
+            "Linear torch.Size([1, 4])"
+        assert gone(pids, 10)
+
+
+@pytest.mark.kernel
+def test_the_stop_button_ends_a_should_stop_loop_at_the_same_step(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, STEP_CELL)
+        time.sleep(2)
+        reply, told = _interrupt_and_collect(km, kc, msg_id)
+        assert reply["content"]["status"] == "ok", told
+        stopped = re.search(r"ddp_notebook: stopped at step (\d+)", told)
+        assert stopped, told
+        step = int(stopped.group(1))
+        assert sorted(re.findall(r"LOOP-END rank (\d) steps (\d+)", told)) == [("0", str(step)), ("1", str(step))]
+        assert _output(kc, "print(steps)").strip() == str(step)
+        assert gone(pids, 10)
+
+
+@pytest.mark.kernel
+def test_a_second_interrupt_stops_hard(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, STUCK_CELL)
+        time.sleep(2)
+        reply, told = _interrupt_and_collect(km, kc, msg_id, interrupts=2)
+        assert reply["content"]["ename"] == "KeyboardInterrupt", told
+        assert gone(pids, 5), "ranks outlived the second interrupt by more than 5 s"
+
+
+@pytest.mark.kernel
+def test_no_boundary_within_the_grace_period_stops_hard(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, STUCK_CELL.replace("--cpus 2", "--cpus 2 --grace 2"))
+        time.sleep(2)
+        started = time.monotonic()
+        reply, told = _interrupt_and_collect(km, kc, msg_id)
+        assert reply["content"]["ename"] == "KeyboardInterrupt", told
+        assert "no batch boundary within 2 s of the stop; stopping hard. Where each rank was:" in told
+        assert re.search(r"rank 0: all_reduce ← Cell In\[\d+\] line 7\nrank 1: Cell In\[\d+\] line 9", told), told
+        assert gone(pids, 5)
+        assert time.monotonic() - started >= 2
+
+
+def _train_until_stopped():
+    import time
+
+    import torch
+
+    import ddp_notebook
+
+    data = torch.utils.data.TensorDataset(torch.randn(400, 4))
+    loader = ddp_notebook.distributed_loader(data, batch_size=2)
+    print("PID", flush=True)
+    batches = 0
+    for epoch in range(1000):
+        for _ in loader:
+            batches += 1
+            time.sleep(0.01)
+    return batches
+
+
+def _wait_until_stoppable(job):
+    deadline = time.monotonic() + 60
+    while job.stoppable != {0, 1} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.stoppable == {0, 1}
+
+
+def test_job_stop_ends_a_background_job_gracefully_and_now_true_hard(no_leftovers):
+    job = ddp_notebook.launch(_train_until_stopped, cpus=2, background=True)
+    _wait_until_stoppable(job)
+    job.stop()
+    assert job.status == "stopped"
+    assert job.wait() == [None, None]  # ended at the next loader iteration: the function returned nothing
+    assert set(job.stopped_at) == {"epoch", "batch"} and job.stopped_text.startswith("stopped at epoch ")
+    assert rank_processes() == []
+
+    job = ddp_notebook.launch(_train_until_stopped, cpus=2, background=True)
+    _wait_until_stoppable(job)
+    job.stop(now=True)
+    assert job.status == "stopped"
+    with pytest.raises(JobStopped):
+        job.wait()
+    assert job.stopped_at is None
+
+
+@pytest.mark.kernel
+def test_a_graceful_stop_on_the_warm_pool_keeps_the_pool_and_its_state(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        _output(kc, "%ddp_start --cpus 2")
+        cell = LOADER_CELL.replace("%%ddp --cpus 2 --return model", "%%ddp --return model")
+        msg_id, pids = run_until_pids(kc, cell)
+        time.sleep(3)
+        reply, told = _interrupt_and_collect(km, kc, msg_id)
+        assert reply["content"]["status"] == "ok", told
+        assert re.search(r"ddp_notebook: stopped at epoch \d+, batch \d+", told), told
+        assert "restarted" not in told
+        after = _output(kc, "%%ddp\nprint('AFTER', os.getpid(), type(model).__name__)")
+        assert set(map(int, re.findall(r"AFTER (\d+) DistributedDataParallel", after))) == pids, after
+        _output(kc, "%ddp_stop")
+        assert gone(pids, 10)
+
+
+STACKS_CELL = '''%%ddp --cpus 2 --background
+import os, time
+import torch.distributed as dist
+print("PID", os.getpid(), flush=True)
+if rank == 0:
+    time.sleep(600)
+dist.all_reduce(torch.ones(1))
+'''
+
+
+@pytest.mark.kernel
+def test_stacks_show_where_each_rank_is_while_one_waits_in_all_reduce(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        kc.execute_interactive(STACKS_CELL, timeout=60)
+        number = int(re.search(r"\d+", _output(kc, "print(len(In) - 2)")).group())
+        deadline = time.monotonic() + 90
+        told = ""
+        while time.monotonic() < deadline and told.count("Cell In[") < 2:  # until both ranks are in the cell
+            time.sleep(0.5)
+            told = _output(kc, "%ddp_stacks")
+        assert re.search(rf"rank 0: Cell In\[{number}\] line 6\n", told), told  # time.sleep: C code, Python's line
+        assert re.search(rf"rank 1: all_reduce ← Cell In\[{number}\] line 7", told), told
+        same = _output(kc, f"print(Out[{number}].stacks())")
+        assert f"rank 1: all_reduce ← Cell In[{number}] line 7" in same
+        _output(kc, f"Out[{number}].stop(now=True)")
+
+
+@pytest.mark.kernel
+def test_sigusr2_to_the_kernel_shows_the_stacks_of_a_hung_foreground_cell_without_stopping_it(no_leftovers):
+    import os
+    import signal
+
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, STACKS_CELL.replace(" --background", ""))
+        time.sleep(2)  # rank 0 printed its PID from the cell: it sleeps there; rank 1 is in all_reduce or about to be
+        os.kill(km.provisioner.process.pid, signal.SIGUSR2)
+        told = ""
+        deadline = time.monotonic() + 30
+        while "rank 1:" not in told and time.monotonic() < deadline:
+            msg = kc.get_iopub_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                told += msg["content"]["text"]
+        assert re.search(r"where each rank is \(job #\d+\):\nrank 0: Cell In\[\d+\] line 6\n"
+                         r"rank 1: all_reduce ← Cell In\[\d+\] line 7", told), told
+        assert all(psutil_alive(p) for p in pids)  # the job goes on
+        _interrupt_and_collect(km, kc, msg_id)
+        assert gone(pids, 5)
+
+
+def psutil_alive(pid):
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def _skips_the_collective():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_timeout_shows_where_the_ranks_that_did_not_time_out_were(no_leftovers):
+    with pytest.raises(ddp_notebook.RankError) as info:
+        ddp_notebook.launch(_skips_the_collective, cpus=2, timeout=3)
+    assert re.search(r"where the other ranks were:\nrank 0: _skips_the_collective \(test_stopping.py:\d+\)",
+                     str(info.value)), str(info.value)

@@ -193,8 +193,8 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
             interruptible.clear()
         if sender is not None:
             stopped = stopping.stopped_at()
-            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
-                                          **({"stopped": stopped} if stopped else {})})
+            sender.send_now(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
+                                              **({"stopped": stopped} if stopped else {})})
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()
@@ -299,8 +299,8 @@ def serve(boot: dict) -> None:
             continue
         ctx.extra["attempt"] = int(body.get("attempt", 0))
         ctx.extra["task"] = body["task"]
-        run_task(ctx, sender, body["task"], lambda: payload.load(body["path"]), body.get("seed"), namespace,
-                 interruptible)
+        load = (lambda: payload.loads(body["data"])) if "data" in body else (lambda: payload.load(body["path"]))
+        run_task(ctx, sender, body["task"], load, body.get("seed"), namespace, interruptible)
 
     try:
         import torch.distributed as dist

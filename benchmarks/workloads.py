@@ -116,35 +116,68 @@ def memory_train(ds, epochs: int = 2, batch: int = 512) -> dict:
     return {"first_batch": first}
 
 
+def memory_train_small(ds, epochs: int = 2, batch: int = 65536) -> dict:
+    """Two epochs over millions of small samples through ``distributed_loader``; when the first batch arrived."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddp_notebook
+
+    first = None
+    loader = ddp_notebook.distributed_loader(ds, batch_size=batch, progress=False)
+    model = DDP(nn.Linear(ds.tensors[0].shape[1], 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(epochs):
+        for xb, yb in loader:
+            if first is None:
+                first = time.time()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+    dist.barrier()
+    return {"first_batch": first}
+
+
+def _train(ds):
+    return memory_train_small(ds) if ds.tensors[0].dim() == 2 else memory_train(ds)
+
+
 def _forked(rank: int, ds, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    result = memory_train(ds)
+    result = _train(ds)
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
-def make_dataset(nbytes: int):
+def make_dataset(nbytes: int, shape: str = "large"):
+    """``large``: 32x32x3 images and labels (87 k of them in 1 GiB); ``small``: 63 features and a target
+    (4.2 M in 1 GiB)."""
     import torch
     from torch.utils.data import TensorDataset
 
+    if shape == "small":
+        n = nbytes // (64 * 4)
+        return TensorDataset(torch.randn(n, 63), torch.randn(n, 1))
     n = nbytes // (3 * 32 * 32 * 4)
     return TensorDataset(torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,)))
 
 
-def memory_notebook(mode: str, nbytes: int, out: str) -> None:
+def memory_notebook(mode: str, nbytes: int, out: str, shape: str = "large") -> None:
     """The 'notebook' of the memory benchmark: make the dataset, then train on 2 ranks by ``mode``."""
     if mode == "naive":
         os.environ["DDP_NOTEBOOK_SHARE_MIN_BYTES"] = "off"
-    ds = make_dataset(nbytes)
+    ds = make_dataset(nbytes, shape)
     made = time.time()
     if mode in ("shared", "naive"):
         import ddp_notebook
 
         called = time.time()
-        firsts = [r["first_batch"] for r in ddp_notebook.launch(memory_train, (ds,), cpus=2)]
+        firsts = [r["first_batch"] for r in ddp_notebook.launch(_train, (ds,), cpus=2)]
     else:
         import tempfile
 
@@ -226,13 +259,36 @@ def report_cost(calls: int = 5000) -> float:
 # -- a long-lived caller, like a notebook kernel ----------------------------------------------------------
 
 
+def _lightning_trivial(fabric) -> None:
+    import torch
+
+    fabric.all_reduce(torch.ones(1))
+
+
 def caller(kind: str) -> None:
-    """Read 'go' lines; answer each with the seconds one trivial 2-rank job took from this live process."""
-    if kind == "launch":
+    """Read 'go' lines; answer each with the seconds one trivial 2-rank job took from this live process.
+
+    ``launch``: the rank template stays warm between calls (as in a kernel); ``launch-template-cold``: it is
+    stopped before each call, so the call starts one and waits for it; ``launch-no-template``: ranks started
+    fresh (``DDP_NOTEBOOK_TEMPLATE=0``).
+    """
+    if kind.startswith("launch"):
         import ddp_notebook
+        from ddp_notebook.engine import template
+
+        if kind == "launch-no-template":
+            os.environ["DDP_NOTEBOOK_TEMPLATE"] = "0"
 
         def once():
+            if kind == "launch-template-cold":
+                template.stop()
             ddp_notebook.launch(trivial, cpus=2)
+    elif kind == "lightning":
+        from lightning.fabric import Fabric
+
+        def once():
+            os.environ["MASTER_PORT"] = str(free_port())
+            Fabric(accelerator="cpu", devices=2, strategy="ddp_notebook").launch(_lightning_trivial)
     else:
         from accelerate import notebook_launcher
 
@@ -285,7 +341,7 @@ def main(argv: list[str]) -> None:
         with open(argv[1], "w") as f:
             json.dump(ddp_notebook.launch(report_cost, cpus=2), f)
     elif mode == "memory":
-        memory_notebook(argv[1], int(argv[2]), argv[3])
+        memory_notebook(argv[1], int(argv[2]), argv[3], *argv[4:5])
     elif mode == "dump-load":
         dump_load(int(argv[1]), argv[2])
     elif mode == "load":

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # Rank-side helpers that import torch: loaded on first use, never by importing the package.
-_DATA_NAMES = ("distributed_loader", "all_reduce_metrics", "DistributedLoader", "ExactDistributedSampler")
+_DATA_NAMES = ("distributed_loader", "all_reduce_metrics", "DistributedLoader", "ExactDistributedSampler", "ShardSampler")
 _CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "resume", "BestCheckpoint", "LoadedCheckpoint", "ResumeWarning",
                      "clean_state_dict", "unwrap_model")
 
@@ -67,7 +67,9 @@ def __getattr__(name):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext ddp_notebook``: register the ``%%ddp`` magics."""
+    """``%load_ext ddp_notebook``: register the ``%%ddp`` magics and start the rank template in the background."""
+    from .engine import template
     from .notebook.magic import register
 
     register(ipython)
+    template.warm_up()  # ranks fork from it: the first cell need not wait for torch to import

@@ -19,12 +19,14 @@ os.environ.setdefault("DDP_NOTEBOOK_RESERVATIONS", os.path.join(os.environ["DDP_
 
 
 def rank_processes():
-    """Every live ddp_notebook rank on this machine (by its command line)."""
+    """Every live ddp_notebook rank of this test run (by its command line and the run's tag in its environment)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if ("ddp_notebook.rank.worker" in cmd or "ddp_notebook.worker" in cmd) and proc.info["status"] != psutil.STATUS_ZOMBIE \
+            # A rank forked from the template has its command line as one string (a process title).
+            if ("ddp_notebook.rank.worker" in " ".join(cmd) or "ddp_notebook.worker" in cmd) \
+                    and proc.info["status"] != psutil.STATUS_ZOMBIE \
                     and proc.environ().get("DDP_NOTEBOOK_TEST_TAG") == TEST_TAG:
                 found.append(proc)
         except psutil.Error:

@@ -55,16 +55,17 @@ def _checksum(x):
 
 @pytest.fixture
 def sent(monkeypatch):
-    """What the notebook wrote for each job: (payload file size, sharing stats)."""
+    """What the notebook sent for each job: (payload size, in its message or its file; sharing stats)."""
     records = []
-    write = payload.write
+    for_ranks = payload.for_ranks
 
-    def recording_write(task, directory, name="task.pkl"):
-        path = write(task, directory, name)
-        records.append((os.path.getsize(path), dict(task.shared.stats)))
-        return path
+    def recording(task, directory, name="task.pkl"):
+        where = for_ranks(task, directory, name)
+        size = len(where["data"]) if "data" in where else os.path.getsize(where["path"])
+        records.append((size, dict(task.shared.stats)))
+        return where
 
-    monkeypatch.setattr(payload, "write", recording_write)
+    monkeypatch.setattr(payload, "for_ranks", recording)
     return records
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -135,6 +137,13 @@ class RankBackend(abc.ABC):
         return f"rank {rank} {how} without reporting an error"
 
 
+def _readable(conn) -> bool:
+    """``conn.poll()`` (something to read, or the peer gone) without the selector it builds for each call."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def signal_name(code: int) -> str:
     """SIGKILL for -9: the name of the signal a negative exit code stands for."""
     try:
@@ -162,6 +171,7 @@ class ChannelRanks(RankBackend):
         self.channel: ChannelServer | None = None
         self._queued: dict[int, list[tuple]] = {}  # messages for ranks not connected yet
         self._known: dict[Any, int] = {}  # connection -> rank, kept to notice a lost connection
+        self._poller: tuple[tuple, Any, dict] | None = None  # (what it watches, select.poll, fd -> object)
 
     def start(self, task: Any = None, task_id: int = 0) -> "ChannelRanks":
         """Start every rank (:meth:`launch`); what was started is stopped again if that fails."""
@@ -208,13 +218,28 @@ class ChannelRanks(RankBackend):
     # -- watch -----------------------------------------------------------
     def pump(self, timeout: float = 0.1) -> None:
         self.take_new_connections()
-        for obj in wait_ready(list(self.connections) + list(self.pipes), timeout):
+        for obj in self._ready(timeout):
             if isinstance(obj, int):
                 self.read_output(obj)
             else:
                 self.read_connection(obj)
         self.relay.maybe_flush()
         self.check_exits()
+
+    def _ready(self, timeout: float) -> list:
+        """The connections and pipes with something to read (or closed), waiting up to ``timeout`` seconds: what
+        ``multiprocessing.connection.wait`` answers, with one poll object kept while the set stays the same
+        rather than a selector built for every call."""
+        watched = (*self.connections, *self.pipes)
+        if self._poller is None or self._poller[0] != watched:
+            poller, objects = select.poll(), {}
+            for obj in watched:
+                fd = obj if isinstance(obj, int) else obj.fileno()
+                poller.register(fd, select.POLLIN)
+                objects[fd] = obj
+            self._poller = (watched, poller, objects)
+        _, poller, objects = self._poller
+        return [objects[fd] for fd, _ in poller.poll(math.ceil(timeout * 1000))]
 
     def take_new_connections(self) -> None:
         """Adopt the connections the channel has authenticated since the last call."""
@@ -255,7 +280,7 @@ class ChannelRanks(RankBackend):
     def read_connection(self, conn) -> None:
         """Hand on the messages waiting on one connection."""
         try:
-            while conn.poll():
+            while _readable(conn):
                 with whole_message():
                     kind, body = conn.recv()
                 rank = self.connections.get(conn, -1)

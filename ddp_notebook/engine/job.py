@@ -271,13 +271,14 @@ class Job(EventSource):
 
     def _send_task(self) -> None:
         try:
-            self._task_path = payload.write(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
+            where = payload.for_ranks(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
         except BaseException:
             if self._owns_group:
                 self.group.kill()
             raise
+        self._task_path = where.get("path")
         for rank in self.targets:
-            self.group.send(rank, (protocol.RUN, {"task": self.task_id, "path": self._task_path, "seed": self.spec.seed,
+            self.group.send(rank, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
                                                   "attempt": self.attempt}))
 
     # -- watch -----------------------------------------------------------

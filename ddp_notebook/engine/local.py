@@ -2,8 +2,10 @@
 
 Each rank is ``python -m ddp_notebook.rank.worker`` in its own session (so Jupyter's
 interrupt does not reach it; the notebook decides), with the torchrun
-environment contract, and a JSON bootstrap on stdin that holds the channel key
-(never on the command line).  Messages from a rank go to the job once the rank
+environment contract, and a JSON bootstrap that holds the channel key (never
+on the command line).  It is forked from the rank template when one is up
+(:mod:`~ddp_notebook.engine.template`: no torch import to wait for), else
+started fresh with the bootstrap on its stdin.  Messages from a rank go to the job once the rank
 has said who it is (:class:`~ddp_notebook.engine.backend.ChannelRanks`).
 """
 from __future__ import annotations
@@ -16,12 +18,19 @@ import sys
 from typing import Any
 
 from ..wire.channel import ChannelServer
+from . import template as rank_template
 from .backend import ChannelRanks, rank_environment
 from .spec import bind_port, free_port
 
 
 class LocalRanks(ChannelRanks):
-    """Every rank a subprocess of this kernel, in its own session."""
+    """Every rank a process of this host in its own session: forked from the rank template, or started fresh."""
+
+    def close(self) -> None:
+        super().close()
+        for proc in self.procs:
+            if isinstance(proc, rank_template.ForkedProcess):
+                proc.close()
 
     def launch(self, task: Any, task_id: int) -> None:
         spec = self.spec
@@ -33,13 +42,15 @@ class LocalRanks(ChannelRanks):
             elif self.port is None:
                 self.port = spec.port or free_port(spec.master_addr)
             self.channel = ChannelServer(spec.master_addr)
+            template = rank_template.ready_template()
             for rank in range(spec.world_size):
-                self._start_rank(rank, store_sock)
+                self._start_rank(rank, store_sock, template)
         finally:
             if store_sock is not None:
                 store_sock.close()  # rank 0 holds its own copy
 
-    def _start_rank(self, rank: int, store_sock: socket.socket | None) -> None:
+    def _start_rank(self, rank: int, store_sock: socket.socket | None,
+                    template: "rank_template.Template | None") -> None:
         spec = self.spec
         pass_fds = ()
         boot = {
@@ -52,19 +63,22 @@ class LocalRanks(ChannelRanks):
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
             "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
         }
-        if rank == 0 and store_sock is not None:
-            os.set_inheritable(store_sock.fileno(), True)
-            pass_fds = (store_sock.fileno(),)
-            boot["store_fd"] = store_sock.fileno()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_notebook.rank.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=rank_environment(spec, self.port, rank, rank, spec.world_size), cwd=os.getcwd(), start_new_session=True,
-            pass_fds=pass_fds,
-        )
+        env = rank_environment(spec, self.port, rank, rank, spec.world_size)
+        store_fd = store_sock.fileno() if rank == 0 and store_sock is not None else None
+        proc = template.fork(boot, env, os.getcwd(), store_fd) if template is not None else None
+        if proc is None:
+            if store_fd is not None:
+                os.set_inheritable(store_fd, True)
+                pass_fds = (store_fd,)
+                boot["store_fd"] = store_fd
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ddp_notebook.rank.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=env, cwd=os.getcwd(), start_new_session=True, pass_fds=pass_fds,
+            )
+            proc.stdin.write(json.dumps(boot).encode())
+            proc.stdin.close()
         self.procs.append(proc)
         self.pids[rank] = proc.pid
-        proc.stdin.write(json.dumps(boot).encode())
-        proc.stdin.close()
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self.pipes[pipe.fileno()] = (rank, stream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Callable, TextIO
 
@@ -97,9 +98,9 @@ class OutputRelay:
         for name, lines in self._pending.items():
             if lines:
                 self._pending[name] = []
-                self._write(name, lines)
+                self._write(name, lines, final)
 
-    def _write(self, name: str, lines: list[tuple[int, str]]) -> None:
+    def _write(self, name: str, lines: list[tuple[int, str]], final: bool = False) -> None:
         # Each rank gets an equal share of the budget and keeps its newest lines.
         ranks = sorted({rank for rank, _ in lines})
         share = self.budget // len(ranks)
@@ -118,7 +119,17 @@ class OutputRelay:
         out += [line for (_, line), kept in zip(lines, keep) if kept]
         stream = self._streams[name] or (sys.stdout if name == "stdout" else sys.stderr)
         stream.write("".join(out))
-        stream.flush()
+        if not (final and _kernel_flushes(stream)):
+            stream.flush()
+
+
+def _kernel_flushes(stream) -> bool:
+    """True for a Jupyter kernel's own output stream written from the kernel's main thread, at the end of a cell:
+    the kernel flushes it before the cell's reply, and before any display or error output, so the order holds
+    without a flush of ours (each one waits for the kernel's I/O thread, a millisecond on a busy machine)."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    return iostream is not None and isinstance(stream, iostream.OutStream) \
+        and threading.current_thread() is threading.main_thread()
 
 
 def _label(rank: int) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from ..wire import protocol
+from ..wire import payload, protocol
 from .job import Job
 from .spec import JobSpec
 from ..wire.errors import LaunchError
@@ -102,14 +102,14 @@ def names_assigned(code: str) -> set[str]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(code))
+    visit(payload.parsed(code))
     return assigned
 
 
 def collective_calls(code: str) -> list[str]:
     """Obvious collective calls in the code (``dist.all_reduce(...)``, ``DDP(...)``, ...)."""
     found = []
-    for node in ast.walk(ast.parse(code)):
+    for node in ast.walk(payload.parsed(code)):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None

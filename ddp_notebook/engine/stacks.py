@@ -47,9 +47,11 @@ def parse(text: str) -> list[list[Frame]]:
 
 
 def _main_thread(threads: list[list[Frame]]) -> list[Frame] | None:
-    """The thread that runs the task: the one whose outermost toolkit frame is the rank's ``main``."""
+    """The thread that runs the task: the one whose outermost toolkit frame is the rank's ``main`` (``forked_main``
+    in a rank forked from the rank template)."""
     for frames in threads:
-        if any(f.function == "main" and f.file.endswith(os.path.join("rank", "worker.py")) for f in frames):
+        if any(f.function in ("main", "forked_main") and f.file.endswith(os.path.join("rank", "worker.py"))
+               for f in frames):
             return frames
     return threads[0] if threads else None
 

@@ -1,8 +1,10 @@
 """The ``%%ddp`` cell magic: turn a cell into a task and hand it to the engine (through :mod:`ddp_notebook.api`)."""
 from __future__ import annotations
 
+import argparse
 import ast
 import builtins
+import functools
 import linecache
 import math
 import sys
@@ -19,6 +21,7 @@ from ..engine import export as exporting
 from ..engine import job as engine_job
 from ..engine import pool as pool_module
 from ..engine import spec as job_spec
+from ..engine import template as rank_template
 from ..wire import payload
 from ..wire.errors import LaunchError, RankError
 from . import dashboard
@@ -26,6 +29,12 @@ from . import dashboard
 
 def parse_flags(magic, line: str):
     """The magic's flags; a list may have spaces after its commas: ``--return m, opt`` is ``--return m,opt``."""
+    args = _parsed_flags(magic, line)  # (a cell run again has the same line: parsed once)
+    return argparse.Namespace(**{k: list(v) if isinstance(v, list) else v for k, v in vars(args).items()})
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_flags(magic, line: str):
     tokens: list[str] = []
     for token in arg_split(line, strict=True):
         previous = tokens[-1] if tokens else "-"
@@ -58,7 +67,13 @@ def scan_names(code: str) -> tuple[set[str] | None, dict[str, int]]:
     Not counted as reads: annotations, which may never be evaluated, and the bodies of functions and
     classes the cell defines but never refers to, which may be meant for later cells.
     """
-    tree = ast.parse(code)
+    bound, reads = _scan_names(code)
+    return (None if bound is None else set(bound)), dict(reads)
+
+
+@functools.lru_cache(maxsize=16)
+def _scan_names(code: str) -> tuple[frozenset[str] | None, dict[str, int]]:
+    tree = payload.parsed(code)
     bound: set[str] | None = set()
     loads: list[ast.Name] = []
     skip: set[int] = set()
@@ -100,7 +115,7 @@ def scan_names(code: str) -> tuple[set[str] | None, dict[str, int]]:
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             reads[node.id] = min(node.lineno, reads.get(node.id, node.lineno))
         stack.extend(ast.iter_child_nodes(node))
-    return bound, reads
+    return (None if bound is None else frozenset(bound)), reads
 
 
 def undefined_names(code: str, defined) -> dict[str, int]:
@@ -122,7 +137,7 @@ _told_shadowed: set[str] = set()  # rank names whose shadowing the user was warn
 
 def _first_use(code: str, name: str) -> int:
     """The cell line where ``name`` first appears (1 when it does not as such)."""
-    lines = [node.lineno for node in ast.walk(ast.parse(code))
+    lines = [node.lineno for node in ast.walk(payload.parsed(code))
              if isinstance(node, ast.Name) and node.id == name
              or isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names]
     return min(lines, default=1)
@@ -354,7 +369,8 @@ class DDPMagics(Magics):
 
     @line_magic
     def ddp_stop(self, line: str):
-        """End the warm pool's ranks and remove what they left."""
+        """End the warm pool's ranks and remove what they left, and stop the rank template."""
+        rank_template.stop()  # the next cold job starts a new one
         warm = pool_module.current()
         if warm is None:
             print("no warm pool is up")

@@ -29,7 +29,56 @@ def rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
-class ExactDistributedSampler(DistributedSampler):
+_INDEX_CHUNK = 1 << 16  # indices turned into Python ints at a time
+
+
+class ShardSampler(DistributedSampler):
+    """``torch.utils.data.DistributedSampler`` without a Python list of every index.
+
+    The same indices in the same order as torch's sampler for the same seed,
+    epoch, padding and ``drop_last``, but each epoch's order is a tensor (int32
+    where it fits) and the rank's share is handed out a chunk at a time: about
+    12 bytes per sample of the dataset while iterated, not ~36 per index.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+
+    def order(self) -> torch.Tensor:
+        """Every index of the dataset in this epoch's order (torch's seeded ``randperm``, or 0..n-1)."""
+        n = len(self.dataset)
+        dtype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
+        if not self.shuffle:
+            return torch.arange(n, dtype=dtype)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=generator, dtype=dtype)  # the same order for any integer dtype
+
+    def shard(self) -> torch.Tensor:
+        """This rank's indices of this epoch, padded or cut as torch's sampler does."""
+        order = self.order()
+        n = len(order)
+        if n == 0:
+            return order
+        if not self.drop_last and self.total_size > n:  # pad by repeating the order from its start
+            order = order.repeat(math.ceil(self.total_size / n))
+        return order[self.rank:self.total_size:self.num_replicas].clone()
+
+    def __iter__(self) -> Iterator[int]:
+        return _in_chunks(self.shard())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _in_chunks(indices: torch.Tensor) -> Iterator[int]:
+    for start in range(0, len(indices), _INDEX_CHUNK):
+        yield from indices[start:start + _INDEX_CHUNK].tolist()
+
+
+class ExactDistributedSampler(ShardSampler):
     """Every index exactly once across the ranks, with no padding.
 
     Rank ``r`` takes positions ``r, r + world_size, ...`` of the (shuffled)
@@ -43,18 +92,6 @@ class ExactDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.total_size = len(dataset)
         self.num_samples = len(range(rank, self.total_size, num_replicas))
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.total_size, generator=generator).tolist()
-        else:
-            order = list(range(self.total_size))
-        return iter(order[self.rank:self.total_size:self.num_replicas])
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 def _progress_reporter():
@@ -140,7 +177,9 @@ def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = Tr
     """A DataLoader over this rank's share of ``dataset``.
 
     Inside a job each rank gets a ``DistributedSampler`` share (``batch_size``
-    is per rank); outside a job the loader covers the whole dataset.  The
+    is per rank; the indices and their order are torch's, kept in a tensor
+    rather than a Python list, :class:`ShardSampler`); outside a job the loader
+    covers the whole dataset.  The
     order is a seeded shuffle (``seed`` + epoch), the same for every rank, that
     changes each time the loader is iterated.
 
@@ -159,7 +198,7 @@ def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = Tr
     if exact:
         sampler: DistributedSampler = ExactDistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
     else:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+        sampler = ShardSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
     return DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, report_progress=progress,
                              **loader_kwargs)
 

@@ -206,8 +206,8 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
             interruptible.clear()
         if sender is not None:
             stopped = stopping.stopped_at()
-            sender.send(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
-                                          **({"stopped": stopped} if stopped else {})})
+            sender.send_now(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
+                                              **({"stopped": stopped} if stopped else {})})
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()
@@ -238,17 +238,55 @@ class NoKeyboard(io.TextIOBase):
 
 
 def main() -> None:
+    """A rank started as ``python -m ddp_notebook.rank.worker``: its bootstrap on stdin, the notebook its parent."""
     faulthandler.enable()  # a crashing rank shows where it crashed
     boot = json.loads(sys.stdin.read())
     sys.stdin.close()
-    sys.stdin = NoKeyboard()  # input() in a cell says why it cannot work, not "I/O operation on closed file"
-    sys.path[:] = boot["sys_path"]
-    global _job_dir
-    _job_dir = boot.get("job_dir")
     parent = os.getppid()
     if parent != boot["parent_pid"]:
         _die_with_group()
     threading.Thread(target=_watch_parent, args=(parent,), name="ddp-parent-watch", daemon=True).start()
+    serve(boot)
+
+
+def _watch_lifeline(fd: int) -> None:
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    _die_with_group()  # end of stream: the notebook, the only holder of the other end, is gone
+
+
+def forked_main(boot: dict, lifeline: int) -> None:
+    """A rank forked from the rank template, its environment and directory already its own.
+
+    What a fresh interpreter does by itself is done here: fresh random state
+    (the template's is shared by every fork), OpenMP's thread count from this
+    rank's ``OMP_NUM_THREADS`` (OpenMP read the template's at import).  The
+    notebook is not the parent: the rank goes when ``lifeline``, a pipe only the
+    notebook writes to, ends.
+    """
+    faulthandler.enable()
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    threading.Thread(target=_watch_lifeline, args=(lifeline,), name="ddp-parent-watch", daemon=True).start()
+    serve(boot)
+
+
+def serve(boot: dict) -> None:
+    """Connect to the notebook, join the process group, run tasks until told to exit; never returns."""
+    sys.stdin = NoKeyboard()  # input() in a cell says why it cannot work, not "I/O operation on closed file"
+    sys.path[:] = boot["sys_path"]
+    global _job_dir
+    _job_dir = boot.get("job_dir")
     if _job_dir:  # job.stacks(): every thread's Python stack on SIGUSR1, even while blocked in C code
         stacks = open(protocol.stacks_path(_job_dir, boot["rank"]), "a")
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -292,8 +330,8 @@ def main() -> None:
             continue
         ctx.extra["attempt"] = int(body.get("attempt", 0))
         ctx.extra["task"] = body["task"]
-        run_task(ctx, sender, body["task"], lambda: payload.load(body["path"]), body.get("seed"), namespace,
-                 interruptible)
+        load = (lambda: payload.loads(body["data"])) if "data" in body else (lambda: payload.load(body["path"]))
+        run_task(ctx, sender, body["task"], load, body.get("seed"), namespace, interruptible)
 
     try:
         import torch.distributed as dist

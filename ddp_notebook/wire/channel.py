@@ -7,6 +7,7 @@ process without the key is refused before it can send anything.  Messages are
 """
 from __future__ import annotations
 
+import _signal
 import contextlib
 import os
 import queue
@@ -131,6 +132,7 @@ class Sender:
         self._conn = conn
         self._queue: queue.Queue = queue.Queue()
         self._broken = False
+        self._lock = threading.Lock()  # one message on the wire at a time (the thread's, or send_now's)
         self._thread = threading.Thread(target=self._loop, name="ddp-channel-send", daemon=True)
         self._thread.start()
 
@@ -138,16 +140,28 @@ class Sender:
         if not self._broken:
             self._queue.put((kind, body or {}))
 
+    def send_now(self, kind: str, body: dict | None = None) -> None:
+        """Send from the calling thread, after everything queued before: a cell's result, which its thread waits
+        for anyway (no hand-over to the sending thread and back)."""
+        self.flush()
+        self._send((kind, body or {}))
+
+    def _send(self, item: tuple) -> None:
+        with self._lock:
+            if self._broken:
+                return
+            try:
+                self._conn.send(item)
+            except (OSError, EOFError, ValueError):
+                self._broken = True
+
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
-                if not self._broken:
-                    self._conn.send(item)
-            except (OSError, EOFError, ValueError):
-                self._broken = True
+                self._send(item)
             finally:
                 self._queue.task_done()
 
@@ -173,11 +187,12 @@ def whole_message():
         yield
         return
     held = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    # _signal: the same calls as signal.signal without its enum conversions, which cost more than the message
+    previous = _signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if held:
             if callable(previous):
                 previous(signal.SIGINT, held[0])

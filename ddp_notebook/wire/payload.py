@@ -1,7 +1,8 @@
 """What crosses from the notebook to the ranks.
 
-A task is built in the notebook, written once with cloudpickle into the job's
-private directory, and loaded by every rank, which calls ``task.run(ctx)``.
+A task is built in the notebook, pickled once with cloudpickle, sent to every
+rank in its message (a small task) or written once into the job's private
+directory (a big one), and loaded by every rank, which calls ``task.run(ctx)``.
 Notebook-defined functions and classes travel by value, so nothing has to be
 importable from ``__main__`` in the ranks.  Rank side: no IPython here.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import io
 import linecache
 import os
@@ -126,6 +128,8 @@ def dumps_result(value: Any) -> bytes:
     rank's own objects are left as they are, so a warm pool's model stays on its
     GPU.  Objects that share a tensor (a model and its optimizer) still share it.
     """
+    if value is None or type(value) is CellResult and not value.values:  # most cells: nothing to convert
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     buffer = io.BytesIO()
     _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
@@ -149,9 +153,16 @@ def _same(value: Any) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=16)
+def parsed(code: str) -> ast.Module:
+    """The cell's syntax tree, parsed once for the notebook side's several readings of one cell (read it, never
+    change it: it is shared).  Raises SyntaxError."""
+    return ast.parse(code)
+
+
 def names_used(code: str) -> set[str]:
     """Every name the code reads, anywhere (functions and comprehensions included)."""
-    tree = ast.parse(code)
+    tree = parsed(code)
     used = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
@@ -165,7 +176,7 @@ def names_used(code: str) -> set[str]:
 
 def check_syntax(code: str, line_offset: int, label: str) -> None:
     try:
-        ast.parse(code)
+        parsed(code)
     except SyntaxError as exc:
         line = (exc.lineno or 0) + line_offset
         text = (exc.text or "").rstrip()
@@ -238,6 +249,11 @@ def dumps(task: Any, share: bool = True, snapshot: bool = False) -> Payload:
     ``snapshot=True`` (jobs that run while the notebook goes on working): big arrays are copied, never moved,
     so the ranks see them as they are now and the notebook's later writes are its own.
     """
+    if type(task) is CellTask and not task.names:  # nothing but text: plain pickle says the same, sooner
+        try:
+            return Payload(pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            pass  # (cloudpickle below, and its diagnosis)
     store = sharing.Store(move=not snapshot) if share else None
     try:
         data = Payload(dumps_with(task, store))
@@ -300,6 +316,17 @@ def sources_for(fn: Callable) -> Sources:
     return notebook_sources({code.co_filename} if code else set())
 
 
+INLINE_BYTES = 256 << 10
+
+
+def for_ranks(task: Any, directory: str, name: str = "task.pkl") -> dict:
+    """How the ranks get a dumped task: in their RUN message when it is small (``{"data": ...}``: no file to
+    write, read and remove), else written once to a file every rank reads (``{"path": ...}``, see :func:`write`)."""
+    if isinstance(task, bytes) and len(task) <= INLINE_BYTES:
+        return {"data": bytes(task)}
+    return {"path": write(task, directory, name)}
+
+
 def write(task: Any, directory: str, name: str = "task.pkl") -> str:
     """Write the task to an owner-only file in the job's private directory.
 
@@ -317,3 +344,9 @@ def write(task: Any, directory: str, name: str = "task.pkl") -> str:
 def load(path: str) -> Any:
     with open(path, "rb") as f, sharing.loading():
         return pickle.load(f)
+
+
+def loads(data: bytes) -> Any:
+    """A task sent in its message rather than in a file (a small one: see ``Job``)."""
+    with sharing.loading():
+        return pickle.loads(data)

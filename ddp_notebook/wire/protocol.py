@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 # The notebook to a rank
-RUN = "run"  # {task, path, seed, attempt}: load the task file and run it (attempt: 0, then 1, 2, ... after restarts)
+RUN = "run"  # {task, data | path, seed, attempt}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts)
 SYNC = "sync"  # {task, timeout}: a warm pool's barrier after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (handled by the rank's receiving thread)

@@ -1,0 +1,152 @@
+"""The rank template: ``python -m ddp_notebook.rank.template FD``, a process ranks are forked from.
+
+It imports what every rank imports (torch, numpy, cloudpickle, the rank side
+of ddp_notebook) once, never touches CUDA and never starts a thread, then
+waits on its socket (``FD``, one end of a socket pair whose other end the
+notebook holds) for requests to fork a rank.  A forked rank takes its own
+session, output pipes, environment, working directory and ``sys.path`` before
+it runs anything of the job (:func:`~ddp_notebook.rank.worker.forked_main`).
+The template reaps its ranks and writes each one's exit code to the rank's
+status pipe.  It ends when the notebook says so or goes away.  Rank side: no
+IPython, ipywidgets or matplotlib here.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+
+_IDLE_BEFORE_EXTRAS_S = 2.0
+RANK_TITLE = "-m ddp_notebook.rank.worker"  # a forked rank's command line reads as a fresh rank's
+
+
+def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses: dict[int, int]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the rank: nothing here may return into the template's loop
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+        sock.close()
+        for status in statuses.values():
+            os.close(status)
+        os.close(fds.pop("status"))
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for target, fd in ((0, devnull), (1, fds.pop("stdout")), (2, fds.pop("stderr"))):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _set_title(f"{sys.executable} {RANK_TITLE}")
+        boot = request["boot"]
+        if "store" in fds:
+            boot["store_fd"] = fds.pop("store")
+        from . import worker
+
+        sys.argv[:] = [worker.__file__]  # as ``python -m ddp_notebook.rank.worker`` has it
+        worker.forked_main(boot, fds.pop("lifeline"))
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _set_title(title: str) -> None:
+    try:
+        import setproctitle
+    except ImportError:  # the title is cosmetic: ps shows the template's
+        return
+    setproctitle.setproctitle(title)
+
+
+def _reap(statuses: dict[int, int]) -> None:
+    while statuses:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = statuses.pop(pid, None)
+        if fd is not None:
+            try:
+                os.write(fd, struct.pack("!i", os.waitstatus_to_exitcode(status)))
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _import_extras() -> None:
+    try:
+        import torch._dynamo  # noqa: F401  about 1 s and 800 modules, the first time DDP wraps a model
+        import torch.nn.parallel  # noqa: F401
+    except Exception:  # noqa: BLE001 - a rank imports them itself then
+        pass
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD [--eager]
+    parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook stops it; interrupts are for cells
+    os.environ["SPT_NOENV"] = "1"  # setproctitle must leave the environment block (and so /proc/PID/environ) alone
+    import cloudpickle  # noqa: F401  what every rank imports, once
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.utils.data  # noqa: F401
+
+    from ..wire import channel, forking, payload, sharing  # noqa: F401
+    from . import checkpoint, context, data, metrics, worker  # noqa: F401
+
+    _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
+    statuses: dict[int, int] = {}  # rank pid -> its status pipe
+    # What a rank's first DistributedDataParallel(...) imports: before saying ready when nobody waits for the
+    # template (started in the background), else once it has been idle a while (a job is waiting for it now).
+    extras_imported = "--eager" in sys.argv
+    if extras_imported:
+        _import_extras()
+    forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
+    idle_since = time.monotonic()
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.2)
+        _reap(statuses)
+        if os.getppid() != parent:
+            break  # the notebook is gone
+        if not readable:
+            if not extras_imported and time.monotonic() - idle_since > _IDLE_BEFORE_EXTRAS_S:
+                extras_imported = True
+                _import_extras()
+            continue
+        idle_since = time.monotonic()
+        try:
+            received = forking.receive(sock)
+        except OSError:
+            break
+        if received is None:
+            break
+        request, fds = received
+        if request["kind"] == forking.STOP:
+            break
+        try:
+            pid = _fork_rank(sock, request, dict(fds), statuses)
+        except OSError as exc:
+            os.close(fds.pop("status"))
+            forking.send(sock, {"kind": forking.FORKED, "error": str(exc)})
+        else:
+            statuses[pid] = fds.pop("status")
+            forking.send(sock, {"kind": forking.FORKED, "pid": pid})
+        for fd in fds.values():
+            os.close(fd)
+    for fd in statuses.values():
+        os.close(fd)  # ranks still running are the notebook's to stop; it sees their status pipes end
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

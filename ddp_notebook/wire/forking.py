@@ -1,0 +1,47 @@
+"""What the notebook and its rank template say to each other over their socket pair.
+
+A message is a length-prefixed JSON object; file descriptors (a rank's pipes,
+its lifeline, the TCPStore's socket) travel with it as ``SCM_RIGHTS``, named
+in the message's ``"fds"`` list in the order they were sent.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+_HEADER = struct.Struct("!I")
+MAX_FDS = 8
+READY = "ready"  # the template has imported what ranks need
+FORK = "fork"  # start one rank: {"boot", "env", "cwd", "fds"}
+FORKED = "forked"  # {"pid"} or {"error"}
+STOP = "stop"
+
+
+def send(sock: socket.socket, message: dict, fds: dict[str, int] | None = None) -> None:
+    """Send ``message`` with ``fds`` (name -> descriptor) attached."""
+    fds = fds or {}
+    body = json.dumps({**message, "fds": list(fds)}).encode()
+    socket.send_fds(sock, [_HEADER.pack(len(body))], list(fds.values()))
+    sock.sendall(body)
+
+
+def receive(sock: socket.socket) -> tuple[dict, dict[str, int]] | None:
+    """The next message and its descriptors (name -> descriptor, now owned by the caller); None at end of stream."""
+    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+    if not header:
+        return None
+    while len(header) < _HEADER.size:
+        more = sock.recv(_HEADER.size - len(header))
+        if not more:
+            return None
+        header += more
+    (size,) = _HEADER.unpack(header)
+    body = bytearray()
+    while len(body) < size:
+        chunk = sock.recv(min(size - len(body), 1 << 20))
+        if not chunk:
+            return None
+        body += chunk
+    message = json.loads(body)
+    return message, dict(zip(message.pop("fds"), fds))

@@ -1,0 +1,184 @@
+"""The rank template: ranks forked from it are what fresh ranks are, and it never outlives its notebook.
+
+Real ranks over gloo, forked from a real template process started by this test process (the kernel tests and
+every fault and leak test run with the template on as well: it is the default).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import ddp_notebook
+from ddp_notebook.engine import template
+from nbrun import execute, kernel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _what_a_rank_sees():
+    import os
+    import sys
+
+    import psutil
+    import torch
+
+    return {
+        "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgrp(),
+        "cwd": os.getcwd(), "sys_path": list(sys.path), "threads": torch.get_num_threads(),
+        "omp": os.environ["OMP_NUM_THREADS"], "late": os.environ.get("DDP_NOTEBOOK_TEST_LATE"),
+        "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "cuda_initialized": torch.cuda.is_initialized(),
+        "cmdline": psutil.Process().cmdline(), "argv0": sys.argv[0],
+        "tag": psutil.Process().environ().get("DDP_NOTEBOOK_TEST_TAG"),  # what the leak checks find ranks by
+    }
+
+
+def _fresh_template():
+    template.stop()
+    started = template.ready_template()
+    assert started is not None
+    return started.proc.pid
+
+
+def test_a_forked_rank_takes_the_session_environment_directory_and_path_of_now(tmp_path, monkeypatch, no_leftovers):
+    template_pid = _fresh_template()
+    # Changed after the template started: the rank must see the kernel as it is now.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DDP_NOTEBOOK_TEST_LATE", "set after the template started")
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert template.current_pid() == template_pid
+    for rank, rank_saw in enumerate(seen):
+        assert rank_saw["ppid"] == template_pid  # forked, not started fresh
+        assert rank_saw["sid"] == rank_saw["pgid"] == rank_saw["pid"]  # a session and process group of its own
+        assert rank_saw["cwd"] == str(tmp_path)
+        assert rank_saw["sys_path"][0] == str(tmp_path)
+        assert rank_saw["late"] == "set after the template started"
+        assert (rank_saw["rank"], rank_saw["world"]) == (str(rank), "2")
+        assert rank_saw["threads"] == int(rank_saw["omp"])
+        assert rank_saw["cuda_initialized"] is False
+        assert rank_saw["tag"] == os.environ["DDP_NOTEBOOK_TEST_TAG"]
+        # It reads as a fresh rank does, to ps and to anything that looks for ranks by their command line.
+        assert " ".join(rank_saw["cmdline"]).split()[1:] == ["-m", "ddp_notebook.rank.worker"]
+        assert rank_saw["argv0"].endswith(os.path.join("rank", "worker.py"))
+
+
+def test_forked_ranks_see_what_fresh_ranks_see(monkeypatch, no_leftovers):
+    _fresh_template()
+    forked = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    monkeypatch.setenv("DDP_NOTEBOOK_TEMPLATE", "0")
+    fresh = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert {r["ppid"] for r in fresh} == {os.getpid()}  # off: every rank a child of this process
+    different = {"pid", "ppid", "sid", "pgid", "cmdline"}  # the interpreter path may be spelt differently
+    assert [{k: v for k, v in r.items() if k not in different} for r in forked] == \
+        [{k: v for k, v in r.items() if k not in different} for r in fresh]
+    assert [" ".join(r["cmdline"]).split()[1:] for r in forked] == [r["cmdline"][1:] for r in fresh]
+
+
+def test_a_variable_read_at_start_that_differs_starts_the_ranks_fresh(monkeypatch, no_leftovers):
+    template_pid = _fresh_template()
+    monkeypatch.setenv("MKL_DDP_NOTEBOOK_TEST", "1")  # MKL_* is read when torch starts: a fork would not see it
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert {r["ppid"] for r in seen} == {os.getpid()}
+    assert template.current_pid() == template_pid  # the template stays for the ranks that can use it
+
+
+def test_a_new_template_when_the_package_changes_on_disk_or_the_template_died(no_leftovers):
+    first = _fresh_template()
+    version_file = os.path.join(os.path.dirname(ddp_notebook.__file__), "version.py")
+    stat = os.stat(version_file)
+    os.utime(version_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    try:
+        seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    finally:
+        os.utime(version_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = template.current_pid()
+    assert second not in (None, first) and not psutil.pid_exists(first)
+    assert {r["ppid"] for r in seen} == {second}
+
+    os.kill(second, signal.SIGKILL)
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    third = template.current_pid()
+    assert third not in (None, second) and {r["ppid"] for r in seen} == {third}
+    zombies = [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == []
+
+
+def test_stop_ends_the_template_and_the_next_job_starts_another(no_leftovers):
+    first = _fresh_template()
+    template.stop()
+    assert template.current_pid() is None and not psutil.pid_exists(first)
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert {r["ppid"] for r in seen} == {template.current_pid()} and first != template.current_pid()
+
+
+_DIES_WITH_A_JOB_RUNNING = textwrap.dedent("""
+    import os, sys, time
+    import ddp_notebook
+    from ddp_notebook.engine import template
+
+    def forever(folder):
+        import os, time
+        with open(os.path.join(folder, os.environ["RANK"]), "w") as f:
+            f.write(f"{os.getpid()} {os.getppid()}")
+        time.sleep(600)
+
+    folder = sys.argv[1]
+    job = ddp_notebook.launch(forever, (folder,), cpus=2, background=True)
+    deadline = time.time() + 60
+    while len(os.listdir(folder)) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    print("TEMPLATE", template.current_pid(), flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+def test_the_template_and_its_ranks_go_within_10_s_when_the_notebook_dies(tmp_path, no_leftovers):
+    out = subprocess.run([sys.executable, "-c", _DIES_WITH_A_JOB_RUNNING, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    template_pid = int(out.stdout.split()[-1])
+    ranks, parents = zip(*[map(int, (tmp_path / name).read_text().split()) for name in ("0", "1")])
+    assert set(parents) == {template_pid}  # forked ranks: the notebook is not their parent
+    deadline = time.time() + 10
+    alive = [template_pid, *ranks]
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    assert alive == []
+
+
+_TEMPLATE_PID = "from ddp_notebook.engine import template; print('TEMPLATE', template.current_pid())"
+_PARENTS = "%%ddp --cpus 2\nimport os\nprint('PARENT', os.getppid(), flush=True)"
+
+
+def _numbers(text: str, label: str) -> list[int]:
+    return [int(n) for n in re.findall(label + r" (\d+)", text)]
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+def test_in_a_kernel_the_extension_starts_it_ddp_stop_ends_it_and_it_goes_with_the_kernel(no_leftovers):
+    with kernel() as (km, kc):
+        (started,) = _numbers(execute(kc, [_TEMPLATE_PID]), "TEMPLATE")  # already there after %load_ext
+        assert psutil.Process(started).ppid() == km.provisioner.process.pid
+        assert set(_numbers(execute(kc, [_PARENTS]), "PARENT")) == {started}
+        stopped = execute(kc, ["%ddp_stop", _TEMPLATE_PID])
+        assert "TEMPLATE None" in stopped and not psutil.pid_exists(started)
+        parents = set(_numbers(execute(kc, [_PARENTS]), "PARENT"))
+        (again,) = _numbers(execute(kc, [_TEMPLATE_PID]), "TEMPLATE")
+        assert parents == {again} and again != started
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while psutil.pid_exists(again) and psutil.Process(again).status() != psutil.STATUS_ZOMBIE \
+                and time.time() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(again) or psutil.Process(again).status() == psutil.STATUS_ZOMBIE

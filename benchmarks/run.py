@@ -317,8 +317,6 @@ def write_report(path: str, r: dict, args) -> None:
                   "rank a fresh interpreter.", "",
                   "| contender | median | min–max | runs |", "| --- | --- | --- | --- |"]
         lines += [_row(name, s) for name, s in t.items()]
-        ours, floor = t["launch() from a live process"]["median"], t["python -c 'import torch'"]["median"]
-        torchrun = t["torchrun --nproc-per-node 2"]["median"]
         raw = r["launch"]["raw"]
         live, imp, tr = "launch() from a live process", "python -c 'import torch'", "torchrun --nproc-per-node 2"
 

@@ -113,7 +113,7 @@ class GPUPicker(widgets.VBox):
         bundle = super()._repr_mimebundle_(**kwargs)
         if self.gpus:
             listing = "; ".join(f"GPU {g.index} {g.name}: {g.load_text()}, {g.jobs_text()}" for g in self.gpus)
-            plain = f"%ddp_gpus 0,1 (the GPU indices to use) or %ddp_gpus off"
+            plain = "%ddp_gpus 0,1 (the GPU indices to use) or %ddp_gpus off"
         else:
             listing, plain = "no GPU", "%ddp_gpus cpu 2 (the number of CPU ranks) or %ddp_gpus off"
         bundle["text/plain"] = f"[GPU picker: needs a widget manager ({listing}); instead: {plain}]"

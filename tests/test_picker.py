@@ -120,12 +120,12 @@ def test_the_plain_equivalent_chooses_without_widgets_and_the_panel_names_it(cle
     assert picker.choose("0,2") == "cells that name no devices run on GPU 0, 2"
     assert picker.active_picker() is None and "This choice was dropped" in panel.summary.value
     spec = job_spec.resolve_devices()
-    assert (spec.gpus, spec.world_size, spec.backend) == (["0", "2"], 2, "nccl")
+    assert (spec.gpus, spec.world_size, spec.backend) == ([fake_nvml.UUIDS[0], fake_nvml.UUIDS[2]], 2, "nccl")
     with pytest.raises(LaunchError, match=r"%ddp_gpus: no GPU 8, 9 here; this kernel's GPUs: 0, 1, 2, 3, 4, 5, 6, 7"):
         picker.choose("1,8,9")
     with pytest.raises(LaunchError, match=r"%ddp_gpus: 'two' is not a choice: GPU indices like 0,1, 'cpus 3'"):
         picker.choose("two")
-    assert job_spec.resolve_devices().gpus == ["0", "2"]  # a refused choice changes nothing
+    assert job_spec.resolve_devices().gpus == [fake_nvml.UUIDS[0], fake_nvml.UUIDS[2]]  # a refused choice changes nothing
     assert picker.choose("cpus 3") == "cells that name no devices run 3 CPU ranks"
     assert job_spec.resolve_devices().world_size == 3 and job_spec.resolve_devices().gpus is None
 

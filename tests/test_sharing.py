@@ -206,6 +206,9 @@ def _forever(ds):
 @pytest.mark.slow
 def test_nothing_is_left_after_success_failure_and_interrupt(no_leftovers, monkeypatch):
     # Copies (a view) and moved storages both; the moved one again with its own memfd each run.
+    from ddp_notebook.engine import template
+
+    template.ready_template()  # the rank template (and its connection) lives across jobs: not a leftover of one
     before_files, before_fds = _shm_and_tmp(), _fds()
     data = torch.randn(10240, 1024)
     ds = TensorDataset(data, torch.randn(20480, 128)[::2])

@@ -288,7 +288,8 @@ def serve(boot: dict) -> None:
     global _job_dir
     _job_dir = boot.get("job_dir")
     if _job_dir:  # job.stacks(): every thread's Python stack on SIGUSR1, even while blocked in C code
-        stacks = open(protocol.stacks_path(_job_dir, boot["rank"]), "a")
+        stacks = os.fdopen(os.open(protocol.stacks_path(_job_dir, boot["rank"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                   0o600), "a")  # private, whatever the umask of the process it was forked from
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Rerun every benchmark and write benchmarks/RESULTS.md.
 
-    python benchmarks/run.py                 # the default run: about 5 minutes on 2 cores
+    python benchmarks/run.py                 # the default run: about 16 minutes on 2 cores
     python benchmarks/run.py --repeats 15    # more repeats (or DDP_NOTEBOOK_BENCH_REPEATS=15)
     python benchmarks/run.py --smoke --out /tmp/r.md   # seconds-scale check that it all still runs
 

@@ -221,7 +221,7 @@ def bench_throughput(reps: int, steps: int, work: str) -> dict:
 
 
 def bench_memory(reps: int, nbytes: int, work: str, timing_runs: bool = True, shape: str = "large") -> dict:
-    modes = ["shared", "naive", "fork"] if shape == "large" else ["shared", "fork"]
+    modes = ["shared-ext", "shared", "naive", "fork"] if shape == "large" else ["shared-ext", "shared", "fork"]
     peaks = {m: [] for m in modes}
     first = {m: [] for m in modes}
     intervals = []

@@ -17,6 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data.distributed import DistributedSampler
 
+from test_data_properties import same_tensor, tensors
+from torch.utils.data import DataLoader
+from unittest import mock
+
 from ddp_notebook.rank import data
 
 PROFILE = settings(max_examples=3 * int(os.environ.get("DDP_NOTEBOOK_PROPERTY_EXAMPLES", "60")), deadline=None)
@@ -114,3 +118,53 @@ def test_a_large_dataset_costs_a_rank_under_40_mb_where_torchs_list_costs_over_1
         grown[which] = int(out.stdout.split()[-1])
     assert grown["torch's"] > 100 * 2**20, grown  # the measure sees what the issue is about
     assert grown["ours"] < 40 * 2**20, grown
+
+
+# -- a TensorDataset is gathered a whole batch at a time: the batches are exactly the per-sample ones ------------
+
+
+@st.composite
+def tensor_datasets(draw):
+    """A TensorDataset of 1-3 tensors of any dtype, each a view of any kind (from test_data_properties), all cut
+    to one length along the first dimension."""
+    fields = [draw(tensors(kinds=["whole", "rows", "step", "transpose", "column", "block", "conj", "neg",
+                                  "expand"]))[1] for _ in range(draw(st.integers(1, 3)))]
+    n = min(len(f) for f in fields)
+    n = draw(st.integers(0, min(n, 300)))
+    return torch.utils.data.TensorDataset(*(f[:n].detach() for f in fields))
+
+
+@PROFILE
+@given(ds=tensor_datasets(), world=st.integers(1, 4), batch=st.integers(1, 70), seed=st.integers(0, 2**31),
+       drop_last=st.booleans(), exact=st.booleans(), shuffle=st.booleans(), draw=st.data())
+def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, batch, seed, drop_last, exact,
+                                                                   shuffle, draw):
+
+    rank = draw.draw(st.integers(0, world - 1))
+    with mock.patch.object(data, "rank_and_world_size", return_value=(rank, world)):
+        ours = data.distributed_loader(ds, batch_size=batch, shuffle=shuffle, exact=exact, seed=seed,
+                                       progress=False, drop_last=drop_last)
+    sampler = (data.ExactDistributedSampler(ds, world, rank, shuffle=shuffle, seed=seed) if exact
+               else DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed))
+    per_sample = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=drop_last)
+    assert all(a is b for a, b in zip(ours.dataset.tensors, ds.tensors))  # the same tensors, not copies
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        got, want = list(ours), list(per_sample)
+        assert len(got) == len(want) == len(ours)
+        for got_batch, want_batch in zip(got, want):
+            assert type(got_batch) is type(want_batch) is list
+            assert len(got_batch) == len(want_batch) == len(ds.tensors)
+            for g, w in zip(got_batch, want_batch):
+                assert same_tensor(g, w), (g, w)
+
+
+def test_a_tensor_dataset_subclass_with_its_own_getitem_is_indexed_per_sample():
+    class Doubled(torch.utils.data.TensorDataset):
+        def __getitem__(self, i):
+            return tuple(2 * t[i] for t in self.tensors)
+
+    ds = Doubled(torch.arange(10.0))
+    loader = data.distributed_loader(ds, batch_size=4, shuffle=False, progress=False)
+    assert loader.dataset is ds
+    assert [b[0].tolist() for b in loader] == [[0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0], [16.0, 18.0]]

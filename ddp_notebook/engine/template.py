@@ -140,14 +140,13 @@ class ForkedProcess:
 class Template:
     """One template process and this kernel's end of its socket pair."""
 
-    def __init__(self, eager: bool = False):
+    def __init__(self):
         self.fingerprint = _code_fingerprint()
         self.env = template_environment()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno())]
-                + (["--eager"] if eager else []),
+                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, env=self.env, start_new_session=True, cwd=os.getcwd(),
             )
@@ -225,11 +224,8 @@ class Template:
         log.debug("rank template stopped: pid %s", self.proc.pid)
 
 
-def warm_up(eager: bool = True) -> "Template | None":
-    """Start a template in the background unless one is usable (or templates are off); does not wait.
-
-    ``eager``: nobody waits for it, so it imports what DDP's first use imports too before it says it is ready.
-    """
+def warm_up() -> "Template | None":
+    """Start a template in the background unless one is usable (or templates are off); does not wait."""
     global _current
     if not enabled():
         return None
@@ -239,7 +235,7 @@ def warm_up(eager: bool = True) -> "Template | None":
             _current = None
         if _current is None:
             try:
-                _current = Template(eager)
+                _current = Template()
             except OSError as exc:
                 log.debug("rank template not started: %s", exc)
                 return None
@@ -250,7 +246,7 @@ def ready_template() -> "Template | None":
     """A template ready to fork from (started now and waited for, if need be); None if off or it failed."""
     global _current
     with _lock:
-        template = warm_up(eager=False)
+        template = warm_up()
         if template is None:
             return None
         if template.wait_ready():

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from . import context, metrics, stopping, timing
@@ -172,6 +172,36 @@ class DistributedLoader(DataLoader):
                 progress(done, total)
 
 
+class _Gathered(tuple):
+    """A whole batch of a TensorDataset, one tensor per field, taken with one indexing per tensor."""
+
+
+class _GatheringTensorDataset(TensorDataset):
+    """The user's TensorDataset (the same tensors, no copy) that hands the loader whole batches.
+
+    A DataLoader otherwise takes a batch one sample at a time (``dataset[i]`` for each index, a tensor view per
+    field per sample) and stacks them: for 65,536 small samples that is 131,072 Python objects per batch, seconds
+    per epoch and a heap that keeps the memory afterwards.  ``t[indices]`` gives the same values, dtype, shape and
+    order as ``torch.stack([t[i] for i in indices])``.
+    """
+
+    def __getitems__(self, indices: list[int]) -> _Gathered:
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        return _Gathered(t[index.to(t.device)] if t.device.type != "cpu" else t[index] for t in self.tensors)
+
+
+def _collate(batch):
+    """``default_collate``, which gives a list for a TensorDataset's tuples, for batches gathered whole too."""
+    if isinstance(batch, _Gathered):
+        return list(batch)
+    return default_collate(batch)
+
+
+def _gathers_whole_batches(dataset: Dataset, batch_size: int | None, loader_kwargs: dict) -> bool:
+    return (isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
+            and batch_size is not None and loader_kwargs.get("collate_fn") is None)
+
+
 def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, exact: bool = False, *,
                        seed: int = 0, progress: bool = True, **loader_kwargs: Any) -> DistributedLoader:
     """A DataLoader over this rank's share of ``dataset``.
@@ -189,7 +219,9 @@ def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = Tr
     then run one batch more or fewer, so evaluate on ``ddp_model.module`` or
     under ``ddp_model.join()``.  While iterated, the loader reports its
     in-epoch progress to the dashboard (``progress=False`` turns that off).
-    Other keyword arguments go to ``DataLoader``.
+    A ``TensorDataset`` is indexed a whole batch at a time (one ``t[indices]``
+    per tensor, not one sample at a time): the same batches, many times
+    faster for small samples.  Other keyword arguments go to ``DataLoader``.
     """
     for taken in ("sampler", "batch_sampler"):
         if loader_kwargs.get(taken) is not None:
@@ -199,6 +231,9 @@ def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = Tr
         sampler: DistributedSampler = ExactDistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
     else:
         sampler = ShardSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
+    if _gathers_whole_batches(dataset, batch_size, loader_kwargs):
+        dataset = _GatheringTensorDataset(*dataset.tensors)
+        loader_kwargs["collate_fn"] = _collate
     return DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, report_progress=progress,
                              **loader_kwargs)
 

@@ -12,16 +12,16 @@ IPython, ipywidgets or matplotlib here.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import select
 import signal
 import socket
 import struct
 import sys
-import time
 import traceback
 
-_IDLE_BEFORE_EXTRAS_S = 2.0
 RANK_TITLE = "-m ddp_notebook.rank.worker"  # a forked rank's command line reads as a fresh rank's
 
 
@@ -82,16 +82,19 @@ def _reap(statuses: dict[int, int]) -> None:
             os.close(fd)
 
 
-def _import_extras() -> None:
+def _settle_heap() -> None:
+    """Keep the pages ranks inherit shared: a rank's garbage collector would otherwise write to every object
+    the imports made (copying each page it touches), and freed heap goes back to the system first."""
+    gc.collect()
+    gc.freeze()
     try:
-        import torch._dynamo  # noqa: F401  about 1 s and 800 modules, the first time DDP wraps a model
-        import torch.nn.parallel  # noqa: F401
-    except Exception:  # noqa: BLE001 - a rank imports them itself then
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
         pass
 
 
 def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD [--eager]
+    sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook stops it; interrupts are for cells
     os.environ["SPT_NOENV"] = "1"  # setproctitle must leave the environment block (and so /proc/PID/environ) alone
@@ -104,26 +107,23 @@ def main() -> None:
     from ..wire import channel, forking, payload, sharing  # noqa: F401
     from . import checkpoint, context, data, metrics, worker  # noqa: F401
 
+    try:  # what a rank's first DistributedDataParallel(...) imports: about 1 s, 800 modules and 70 MB, once
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+    except Exception:  # noqa: BLE001 - a rank imports them itself then
+        pass
+
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
+    _settle_heap()
     statuses: dict[int, int] = {}  # rank pid -> its status pipe
-    # What a rank's first DistributedDataParallel(...) imports: before saying ready when nobody waits for the
-    # template (started in the background), else once it has been idle a while (a job is waiting for it now).
-    extras_imported = "--eager" in sys.argv
-    if extras_imported:
-        _import_extras()
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
-    idle_since = time.monotonic()
     while True:
         readable, _, _ = select.select([sock], [], [], 0.2)
         _reap(statuses)
         if os.getppid() != parent:
             break  # the notebook is gone
         if not readable:
-            if not extras_imported and time.monotonic() - idle_since > _IDLE_BEFORE_EXTRAS_S:
-                extras_imported = True
-                _import_extras()
             continue
-        idle_since = time.monotonic()
         try:
             received = forking.receive(sock)
         except OSError:

@@ -170,8 +170,8 @@ def _check_group(ctx, task_id: int, timeout: float) -> None:
     returns (gloo does with ``async_op=True``).  The next collective on any rank then pairs with that stale one.
     A plain barrier cannot tell: NCCL's is a one-element all_reduce, which pairs with a stale one and returns.
     So every rank all-reduces a sentinel whose sum is known (``[1, rank, mark]`` summed is ``[W, W(W-1)/2,
-    W*mark]``): paired with a stale collective it fails, hangs (bounded by ``timeout``) or sums wrong.  On a GPU
-    the device's queued work must finish first: a stale NCCL kernel waiting for a peer never does.
+    W*mark]``): paired with a stale collective it fails, hangs (the whole check is bounded by ``timeout``) or sums
+    wrong.  On a GPU the device's queued work must finish first: a stale NCCL kernel waiting for a peer never does.
     """
     import datetime
 
@@ -180,9 +180,14 @@ def _check_group(ctx, task_id: int, timeout: float) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.05, deadline - time.monotonic())
+
     nccl = dist.get_backend() == "nccl"
     if nccl:  # the GPU-only part
-        _synchronize_device(timeout)
+        _synchronize_device(left(), timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     mark = float(task_id % 1000 + 7)
     world = ctx.world_size
@@ -190,16 +195,18 @@ def _check_group(ctx, task_id: int, timeout: float) -> None:
     expected = [float(world), float(world * (world - 1) // 2), world * mark]
     work = dist.all_reduce(sentinel, async_op=True)
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        work.wait(timeout=datetime.timedelta(seconds=left()))
     except Exception as exc:  # noqa: BLE001 - timed out, or gloo found the stale collective's data
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RuntimeError(f"the check's all_reduce failed or did not end within {timeout:g} s ({why})") from None
+    if nccl:  # whether wait() blocked the CPU depends on torch's NCCL settings; reading the sum would, unbounded
+        _synchronize_device(left(), timeout)
     got = sentinel.tolist()
     if got != expected:
         raise RuntimeError(f"the check's all_reduce summed to {got}, not {expected}")
 
 
-def _synchronize_device(timeout: float) -> None:
+def _synchronize_device(timeout: float, told: float) -> None:
     """``torch.cuda.synchronize()``, bounded: a thread waits for the device, which may never finish."""
     import torch
 
@@ -209,7 +216,7 @@ def _synchronize_device(timeout: float) -> None:
     thread.start()
     thread.join(timeout)
     if not ended:
-        raise TimeoutError(f"the GPU's queued work did not finish within {timeout:g} s (a collective waiting "
+        raise TimeoutError(f"the GPU's queued work did not finish within {told:g} s (a collective waiting "
                            f"for a peer)")
     if ended[0] is not None:
         raise ended[0]

@@ -6,7 +6,7 @@ Writes ``benchmarks/RESULTS_gpu.md``: each check passed, failed (with what it sa
 - ``--return`` of a CUDA model (a CPU copy arrives, equal to the rank's);
 - a CUDA tensor of the notebook arriving on the rank's GPU;
 - checkpoints saved on the GPU and loaded onto the rank's device (and onto the CPU in the notebook);
-- the warm pool keeping a model on its GPU across cells;
+- the warm pool keeping a model on its GPU across cells, and recovering after an interrupt with work in flight;
 - the picker's NVML readings against ``nvidia-smi``;
 - two kernels asking for the same GPU at once: one gets it, the other is told who holds it;
 - NCCL training throughput of ``launch()`` against torchrun on the same GPU.
@@ -250,6 +250,107 @@ def check_reservation(gpu: bool) -> Check:
         second.close()
 
 
+# -- the warm pool after an interrupt with collectives in flight (gpu-review item 6) ----------------------------
+
+def _queues_then_sleeps(marks: str, spin_cycles: int):
+    """A pool cell: GPU work and an all_reduce queued (not waited for), then a sleep the interrupt ends."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import ddp_notebook
+
+    x = torch.ones(1 << 20, device=ddp_notebook.rank_context().device)
+    if x.is_cuda and spin_cycles:
+        torch.cuda._sleep(spin_cycles)  # the device is busy: the collective below waits behind it
+    dist.all_reduce(x, async_op=True)
+    open(os.path.join(marks, str(dist.get_rank())), "w").close()
+    time.sleep(3600)
+
+
+def _pool_sum_and_pid():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import ddp_notebook
+
+    t = torch.ones(1, device=ddp_notebook.rank_context().device)
+    dist.all_reduce(t)
+    return t.item(), os.getpid()
+
+
+def _interrupted_pool_cell(warm, spin_cycles: int) -> str:
+    """Interrupt one pool cell once its ranks have queued their work; what the pool printed."""
+    import contextlib
+    import signal
+    import threading
+
+    import ddp_notebook
+
+    marks = tempfile.mkdtemp(prefix="gpu-check-")
+    main_thread = threading.main_thread().ident
+
+    def interrupt():
+        deadline = time.monotonic() + 120
+        while len(os.listdir(marks)) < warm.spec.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        signal.pthread_kill(main_thread, signal.SIGINT)
+
+    told = io.StringIO()
+    threading.Thread(target=interrupt, daemon=True).start()
+    with contextlib.redirect_stderr(told):
+        try:
+            ddp_notebook.launch(_queues_then_sleeps, args=(marks, spin_cycles))
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the cell was not interrupted")
+    shutil.rmtree(marks, ignore_errors=True)
+    return told.getvalue()
+
+
+def check_pool_interrupt(gpu: bool) -> Check:
+    """With one GPU the world is one rank, so no collective can be left unmatched: what this proves is the
+    post-interrupt path on a real device and NCCL.  (1) A cell interrupted with GPU work and an all_reduce still
+    queued: ``torch.cuda.synchronize()`` lets them finish, the sentinel all_reduce on the device sums right, the
+    pool keeps its rank, the next all_reduce is right.  (2) GPU only: a cell that leaves the device spinning
+    (``torch.cuda._sleep``, as a collective waiting for a peer would) makes the bounded synchronize time out,
+    and the pool restarts saying so; the next cell is right on the fresh rank.  tests/test_pool_interrupt.py
+    shows a truly unmatched collective on 2 CPU ranks."""
+    name = "warm pool after an interrupt with collectives in flight"
+    import ddp_notebook  # noqa: F401 - the pool's launch()
+    from ddp_notebook.engine import pool
+    from ddp_notebook.engine import spec as job_spec
+
+    started = time.perf_counter()
+    warm = pool.Pool(job_spec.resolve_devices(gpus=1) if gpu else job_spec.resolve_devices(cpus=1)).start()
+    try:
+        before = ddp_notebook.launch(_pool_sum_and_pid)[0]
+        told = _interrupted_pool_cell(warm, int(2e9) if gpu else 0)  # about a second of spinning on a GPU
+        after = ddp_notebook.launch(_pool_sum_and_pid)[0]
+        if "the warm pool's ranks are back and keep their state" not in told or after != (1.0, before[1]):
+            raise AssertionError(f"after a cell with queued work: {after} (before {before}); it said {told[-500:]!r}")
+        detail = f"queued work and all_reduce finished after the interrupt; the pool kept its rank, sum {after[0]}"
+        if gpu:
+            told = _interrupted_pool_cell(warm, int(2e11))  # spins for minutes: never within the check's bound
+            fresh = ddp_notebook.launch(_pool_sum_and_pid)[0]
+            if "the GPU's queued work did not finish within" not in told or warm.restarts != 1 \
+                    or fresh[0] != 1.0 or fresh[1] == before[1]:
+                raise AssertionError(f"after a cell that left the GPU spinning: {fresh}, {warm.restarts} "
+                                     f"restart(s); it said {told[-500:]!r}")
+            detail += "; a device left spinning made the pool restart with a clear line, next sum right"
+        return Check(name, "passed", detail, time.perf_counter() - started)
+    except Exception as exc:  # noqa: BLE001 - every check is reported
+        return Check(name, "failed", f"{type(exc).__name__}: {exc}", time.perf_counter() - started)
+    finally:
+        warm.stop()
+
+
 # -- NCCL throughput against torchrun --------------------------------------------------------------------------
 
 def train_steps(steps: int = 300, warmup: int = 20, batch: int = 256) -> float:
@@ -364,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device here; run with --cpu to check the script on CPU ranks", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    checks = [check_nvml_against_smi(gpu)] + kernel_checks(gpu) + [check_reservation(gpu), check_throughput(gpu)]
+    checks = [check_nvml_against_smi(gpu)] + kernel_checks(gpu) + [check_pool_interrupt(gpu), check_reservation(gpu),
+                                                                     check_throughput(gpu)]
     text = report(checks, gpu, time.perf_counter() - started)
     with open(args.out, "w") as f:
         f.write(text)

@@ -50,8 +50,9 @@ def test_the_cpu_run_passes_every_check_with_a_cpu_meaning_and_says_what_it_prov
     text = out.read_text()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "**A CPU run: it proves the script, not the GPU paths.**" in text
-    assert "5 passed, 0 failed, 3 not run." in text
+    assert "6 passed, 0 failed, 3 not run." in text
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in text.splitlines()
             if line.startswith("| ") and not line.startswith("| check") and not line.startswith("| ---")}
     assert rows["NCCL throughput: launch() / torchrun"] == "not run"
     assert rows["--return of a model on the rank's device"] == "passed"
+    assert rows["warm pool after an interrupt with collectives in flight"] == "passed"

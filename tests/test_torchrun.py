@@ -325,6 +325,21 @@ def test_an_export_runs_alone_from_any_directory_with_its_arrays_mapped(tmp_path
 
 
 @pytest.mark.timeout(60)
+def test_an_nccl_export_on_a_host_without_cuda_says_so(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: an nccl export runs here")
+    exported = ddp_notebook.export(nothing, tmp_path / "job.py", backend="nccl")
+    done = subprocess.run([sys.executable, exported.script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert done.returncode == 1, done.stderr
+    assert "rank 0 failed: RuntimeError: this job was exported for GPUs (backend nccl) but this host has no CUDA " \
+           "device (torch.cuda.is_available() is False): run it on a GPU host, or export it for CPUs" in done.stderr
+    assert "init_process_group" not in done.stderr  # refused before torch tried (and failed unclearly)
+
+
+@pytest.mark.timeout(60)
 def test_a_version_mismatch_is_told_clearly(tmp_path):
     exported = ddp_notebook.export(nothing, tmp_path / "job.py")
     with open(exported.manifest) as f:

@@ -39,7 +39,8 @@ COLLECTIVES = {
     "all_reduce_metrics", "DistributedDataParallel", "DDP",
 }
 _INTERRUPT_WAIT_S = 3.0
-_SYNC_TIMEOUT_S = 5.0
+_SYNC_TIMEOUT_S = 5.0  # every rank back at the store
+_CHECK_TIMEOUT_S = 5.0  # the process group's check after it (rank.worker._check_group)
 
 
 def current() -> "Pool | None":
@@ -314,24 +315,60 @@ class Pool:
         deadline = time.monotonic() + _INTERRUPT_WAIT_S
         while not self._answered(job) and time.monotonic() < deadline:
             group.pump(0.05)
-        if self._answered(job) and self._sync(job.task_id):
+        if not self._answered(job):
+            self.restart("the ranks could not be brought back to a common point after the interrupt")
+            return
+        why = self._sync(job.task_id)
+        if why is None:
             print("ddp_notebook: cell interrupted; the warm pool's ranks are back and keep their state",
                   file=sys.stderr)
             return
-        self.restart("the ranks could not be brought back to a common point after the interrupt")
+        self.restart(why)
 
-    def _sync(self, task_id: int) -> bool:
+    def _sync(self, task_id: int) -> str | None:
+        """Every rank meets at the store, then checks the process group (``rank.worker._check_group``: on a GPU
+        the device is synchronised first).  None when the pool may keep its ranks, else why it may not."""
         group = self.group
-        synced, failed = set(), set()
+        at: dict[str, set[int]] = {"store": set(), "group": set()}  # the ranks past each stage
+        failed: dict[int, dict] = {}
 
         def handler(rank, kind, body):
             if body.get("task") == task_id:
-                (synced if kind == protocol.SYNCED else failed if kind == protocol.FAILED else set()).add(rank)
+                if kind == protocol.SYNCED:
+                    at[body.get("stage", "group")].add(rank)
+                elif kind == protocol.FAILED:
+                    failed[rank] = body
 
+        everyone = set(range(self.spec.world_size))
         with group.diverted(handler):
-            for rank in range(self.spec.world_size):
-                group.send(rank, (protocol.SYNC, {"task": task_id, "timeout": _SYNC_TIMEOUT_S}))
-            deadline = time.monotonic() + _SYNC_TIMEOUT_S + 1
-            while len(synced) < self.spec.world_size and not failed and time.monotonic() < deadline:
+            for rank in everyone:
+                group.send(rank, (protocol.SYNC, {"task": task_id, "timeout": _SYNC_TIMEOUT_S,
+                                                  "check_timeout": _CHECK_TIMEOUT_S}))
+            # The store wait, then the check; a rank stuck in either (in C code, or the GPU) is ended by the restart.
+            # A rank that ends in the check (gloo aborts a rank whose stale collective gets the check's data) cuts
+            # the wait for the others' reports to a second.
+            deadline = time.monotonic() + _SYNC_TIMEOUT_S + _CHECK_TIMEOUT_S + 1
+            while at["group"] | set(failed) | set(group.exited) != everyone and time.monotonic() < deadline:
+                if group.exited:
+                    deadline = min(deadline, time.monotonic() + 1)
                 group.pump(0.05)
-        return len(synced) == self.spec.world_size
+        if at["group"] == everyone:
+            return None
+        # One rank past the store barrier means every rank reached it: what failed after that is the process group
+        # (a rank whose stale collective gets the check's data may end before it says it is past the barrier).
+        if not at["store"]:
+            return "the ranks could not be brought back to a common point after the interrupt"
+        out_of_step = "after the interrupt the ranks' process group was out of step (a collective one rank " \
+                      "started was left unmatched)"
+        ended = sorted(group.exited)
+        if ended:
+            codes = [group.exited[r] for r in ended]
+            how = ", ".join(signal.Signals(-c).name if isinstance(c, int) and -c in signal.valid_signals()
+                            else f"exit {c}" for c in codes)
+            return f"{out_of_step}: rank(s) {', '.join(map(str, ended))} ended in the check's all_reduce ({how})"
+        if failed:
+            rank = min(failed)
+            return f"{out_of_step}: rank {rank}: {' '.join(failed[rank]['message'].split())[:300]}"
+        silent = sorted(everyone - at["group"])
+        return f"{out_of_step}: rank(s) {', '.join(map(str, silent))} did not finish the check within " \
+               f"{_CHECK_TIMEOUT_S:g} s"

@@ -43,6 +43,9 @@ FAILED_WAIT_S = 5.0  # a node whose own rank failed waits this long for its othe
 PROGRESS_EVERY_S = 1.0  # progress lines per rank in the metrics file, at most
 SYNC_EVERY_S = 1.0  # the metrics file is fsynced this often (readers on other hosts see it)
 DEVICE_INDEX_ENV = "DDP_NOTEBOOK_DEVICE_INDEX"  # the rank's GPU among those it sees, when not LOCAL_RANK
+NO_CUDA_FOR_NCCL = ("this job was exported for GPUs (backend nccl) but this host has no CUDA device "
+                    "(torch.cuda.is_available() is False): run it on a GPU host, or export it for CPUs "
+                    "(--cpus, without --backend nccl)")
 
 
 def main(manifest_path: str, argv: list[str]) -> int:
@@ -106,6 +109,8 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         import torch
 
         gpus = torch.cuda.is_available()
+        if run["backend"] == "nccl" and not gpus:  # before torch's own, unclear failure in init_process_group
+            raise RuntimeError(NO_CUDA_FOR_NCCL)
         index = int(os.environ.get(DEVICE_INDEX_ENV, ctx.local_rank))  # set where a scheduler binds a GPU per rank
         if gpus and index >= torch.cuda.device_count():
             raise RuntimeError(f"local rank {ctx.local_rank} has no GPU of its own: this node has "

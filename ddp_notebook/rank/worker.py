@@ -139,22 +139,95 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
 
 
 def _sync(ctx, sender, body: dict) -> None:
-    """Meet every other rank at a barrier kept in the TCPStore, so a broken process group cannot hang it."""
+    """After an interrupt: meet every other rank at a barrier kept in the TCPStore (a broken process group cannot
+    hang it), then check that the process group itself is in step (:func:`_check_group`)."""
     store = ctx.extra.get("store")
     key = f"ddp_notebook/sync/{body['task']}"
+    timeout = body.get("timeout", 5.0)
+    stage = "store"
     try:
         if store is None:
             raise RuntimeError("no store to meet at")
         store.add(key, 1)
-        deadline = time.monotonic() + body.get("timeout", 5.0)
+        deadline = time.monotonic() + timeout
         while store.add(key, 0) < ctx.world_size:
             if time.monotonic() > deadline:
                 raise TimeoutError("not every rank came back")
             time.sleep(0.005)
-        sender.send(protocol.SYNCED, {"task": body["task"]})
+        stage = "group"
+        sender.send_now(protocol.SYNCED, {"task": body["task"], "stage": "store"})
+        _check_group(ctx, body["task"], body.get("check_timeout", timeout))
+        sender.send(protocol.SYNCED, {"task": body["task"], "stage": "group"})
     except Exception as exc:  # noqa: BLE001
-        sender.send(protocol.FAILED, {**failure_report(exc, {}, kind="comm"), "task": body["task"]})
+        sender.send(protocol.FAILED, {**failure_report(exc, {}, kind="comm"), "task": body["task"], "stage": stage})
     sender.flush()
+
+
+def _check_group(ctx, task_id: int, timeout: float) -> None:
+    """Is the process group in step after an interrupt?  Every rank is at the store barrier, so none is in a cell.
+
+    An interrupted rank may have left a collective no other rank matched: NCCL enqueues every collective and
+    returns (gloo does with ``async_op=True``).  The next collective on any rank then pairs with that stale one.
+    A plain barrier cannot tell: NCCL's is a one-element all_reduce, which pairs with a stale one and returns.
+    So every rank all-reduces a sentinel whose sum is known (``[1, rank, mark]`` summed is ``[W, W(W-1)/2,
+    W*mark]``): paired with a stale collective it fails, hangs (the whole check is bounded by ``timeout``) or sums
+    wrong.  On a GPU the device's queued work must finish first: a stale NCCL kernel waiting for a peer never does.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.05, deadline - time.monotonic())
+
+    nccl = dist.get_backend() == "nccl"
+    if nccl:  # the GPU-only part
+        _synchronize_device(left(), timeout)
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mark = float(task_id % 1000 + 7)
+    world = ctx.world_size
+    sentinel = torch.tensor([1.0, float(ctx.rank), mark], dtype=torch.float64, device=device)
+    expected = [float(world), float(world * (world - 1) // 2), world * mark]
+    work = dist.all_reduce(sentinel, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=left()))
+    except Exception as exc:  # noqa: BLE001 - timed out, or gloo found the stale collective's data
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RuntimeError(f"the check's all_reduce failed or did not end within {timeout:g} s ({why})") from None
+    if nccl:  # whether wait() blocked the CPU depends on torch's NCCL settings; reading the sum would, unbounded
+        _synchronize_device(left(), timeout)
+    got = sentinel.tolist()
+    if got != expected:
+        raise RuntimeError(f"the check's all_reduce summed to {got}, not {expected}")
+
+
+def _synchronize_device(timeout: float, told: float) -> None:
+    """``torch.cuda.synchronize()``, bounded: a thread waits for the device, which may never finish."""
+    import torch
+
+    ended: list = []
+    thread = threading.Thread(target=lambda: ended.append(_catch(torch.cuda.synchronize)), daemon=True,
+                              name="ddp-cuda-sync")
+    thread.start()
+    thread.join(timeout)
+    if not ended:
+        raise TimeoutError(f"the GPU's queued work did not finish within {told:g} s (a collective waiting "
+                           f"for a peer)")
+    if ended[0] is not None:
+        raise ended[0]
+
+
+def _catch(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - raised again on the rank's main thread
+        return exc
+    return None
 
 
 def failure_report(exc: BaseException, labels: dict, kind: str | None = None) -> dict:

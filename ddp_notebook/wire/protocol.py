@@ -12,7 +12,7 @@ from typing import Any
 
 # The notebook to a rank
 RUN = "run"  # {task, data | path, seed, attempt}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts)
-SYNC = "sync"  # {task, timeout}: a warm pool's barrier after an interrupt
+SYNC = "sync"  # {task, timeout, check_timeout}: a warm pool's barrier and process-group check after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (handled by the rank's receiving thread)
 
@@ -24,7 +24,7 @@ FAILED = "failed"  # {task, etype, message, traceback, time, kind}: see errors.F
 METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
 PROGRESS = "progress"  # {done, total}: progress() within an epoch
 DISPLAY = "display"  # {data, metadata}: display() or plt.show() in a rank: one display bundle (rank/display.py)
-SYNCED = "synced"  # {task}: answer to SYNC
+SYNCED = "synced"  # {task, stage}: answer to SYNC, once past the store ("store") and the group check ("group")
 BYE = "bye"  # {}: the rank is leaving
 FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
 STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())

@@ -112,12 +112,15 @@ def _leaves_queue(job_id: str, within: float) -> bool:
     return False
 
 
-def _run(kc, code: str, timeout: int = 180) -> tuple[str, list[dict]]:
-    """Execute ``code``; (what it printed and its traceback, every iopub message it caused)."""
+def _run(kc, code: str, timeout: int = 180, on_message=None) -> tuple[str, list[dict]]:
+    """Execute ``code``; (what it printed and its traceback, every iopub message it caused).  ``on_message`` sees
+    each message as it arrives."""
     seen, text = [], []
 
     def hook(msg):
         seen.append(msg)
+        if on_message is not None:
+            on_message(msg)
         if msg["msg_type"] == "stream":
             text.append(msg["content"]["text"])
         elif msg["msg_type"] == "error":
@@ -299,18 +302,28 @@ def test_a_detached_job_is_followed_from_another_kernel(slurm, tmp_path):
 
 @pytest.mark.kernel
 def test_a_queued_job_says_so_then_runs(slurm, tmp_path):
-    # The node's 2 CPUs go to another job first: ours waits for Resources.
+    # The node's 2 CPUs go to another job first: ours waits for Resources, and says so, until that job is cancelled.
     blocker = subprocess.run(["sbatch", "--parsable", "-n", "2", "--job-name", JOB_NAME, "--output", "/dev/null",
-                              "--wrap", "sleep 12"], capture_output=True, text=True, check=True).stdout.strip()
-    with kernel() as (km, kc):
-        _run(kc, _setup(str(tmp_path / "runs" / "%j")) + "import json")
-        out, seen = _run(kc, TRAIN)
-        job_id = _job_id(out)
-        shown = "".join(json.dumps(m["content"]) for m in seen)  # the dashboard's updates, as the page gets them
-        assert re.search(rf"queued: Slurm job {job_id} \(Resources\), 0:0\d", shown), shown[:2000]
-        state = _state(_run(kc, CHECK_TRAIN)[0])
-        assert state["epochs"] == [0, 1, 2]
-    assert not slurm_support.in_queue(blocker)
+                              "--wrap", "sleep 120"], capture_output=True, text=True, check=True).stdout.strip()
+    released = []
+
+    def release_once_queued(msg):
+        if not released and re.search(r"queued: Slurm job \d+ \(Resources\)", json.dumps(msg["content"])):
+            released.append(subprocess.run(["scancel", blocker], check=True))
+
+    try:
+        with kernel() as (km, kc):
+            _run(kc, _setup(str(tmp_path / "runs" / "%j")) + "import json")
+            out, seen = _run(kc, TRAIN, on_message=release_once_queued)
+            assert released  # it said it was queued, and ran once the CPUs were free
+            job_id = _job_id(out)
+            shown = "".join(json.dumps(m["content"]) for m in seen)  # the dashboard's updates, as the page gets them
+            assert re.search(rf"queued: Slurm job {job_id} \(Resources\), 0:0\d", shown), shown[:2000]
+            state = _state(_run(kc, CHECK_TRAIN)[0])
+            assert state["epochs"] == [0, 1, 2]
+    finally:
+        subprocess.run(["scancel", blocker])  # a failure above must not leave the node taken for later tests
+    assert _leaves_queue(blocker, 15)
 
 
 def test_big_tensors_travel_as_a_memory_mapped_file(slurm, tmp_path):

@@ -19,6 +19,5 @@ def test_the_memory_dump_and_report_benchmarks_run_and_write_their_tables(tmp_pa
     for heading in ("## Machine", "## Memory", "## Dump and load", "## report()"):
         assert heading in text
     assert "launch() after `%load_ext ddp_notebook`" in text and "fork (torch.multiprocessing" in text
-    assert "launch() with no extension loaded" in text
     assert "samples of 32×32×3" in text and "samples of 63 features" in text  # both dataset shapes
     assert (tmp_path / "results.json").exists()

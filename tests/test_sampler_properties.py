@@ -147,6 +147,7 @@ def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, ba
     sampler = (data.ExactDistributedSampler(ds, world, rank, shuffle=shuffle, seed=seed) if exact
                else DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed))
     per_sample = DataLoader(ds, batch_size=batch, sampler=sampler, drop_last=drop_last)
+    assert isinstance(ours.dataset, data._GatheringTensorDataset) and ours.collate_fn is data._collate
     assert all(a is b for a, b in zip(ours.dataset.tensors, ds.tensors))  # the same tensors, not copies
     for epoch in range(2):
         sampler.set_epoch(epoch)
@@ -157,14 +158,32 @@ def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, ba
             assert len(got_batch) == len(want_batch) == len(ds.tensors)
             for g, w in zip(got_batch, want_batch):
                 assert same_tensor(g, w), (g, w)
+                assert g.is_contiguous() and g.stride() == w.stride()  # laid out as torch.stack lays it out
 
 
-def test_a_tensor_dataset_subclass_with_its_own_getitem_is_indexed_per_sample():
+def test_a_tensor_dataset_subclass_is_indexed_as_its_class_says():
     class Doubled(torch.utils.data.TensorDataset):
         def __getitem__(self, i):
             return tuple(2 * t[i] for t in self.tensors)
 
-    ds = Doubled(torch.arange(10.0))
-    loader = data.distributed_loader(ds, batch_size=4, shuffle=False, progress=False)
-    assert loader.dataset is ds
-    assert [b[0].tolist() for b in loader] == [[0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0], [16.0, 18.0]]
+    class Hundredfold(torch.utils.data.TensorDataset):
+        def __getitems__(self, indices):
+            return [tuple(100 * t[i] for t in self.tensors) for i in indices]
+
+    for cls, factor in ((Doubled, 2.0), (Hundredfold, 100.0)):
+        ds = cls(torch.arange(10.0))
+        ds.note = "kept"
+        loader = data.distributed_loader(ds, batch_size=4, shuffle=False, progress=False)
+        assert loader.dataset is ds and loader.dataset.note == "kept"
+        assert [b[0].tolist() for b in loader] == [[factor * i for i in range(j, min(j + 4, 10))] for j in (0, 4, 8)]
+
+
+def test_a_transposed_or_channels_last_tensor_gives_contiguous_batches_as_stack_does():
+    images = torch.randn(6, 3, 4, 5).to(memory_format=torch.channels_last)
+    columns = torch.randn(5, 6).t()  # 6 samples of 5, a transposed view
+    loader = data.distributed_loader(torch.utils.data.TensorDataset(images, columns), batch_size=4, shuffle=False,
+                                     progress=False)
+    xb, cb = next(iter(loader))
+    assert xb.is_contiguous() and cb.is_contiguous()
+    assert torch.equal(xb, images[:4]) and torch.equal(cb, columns[:4])
+    assert xb.view(4, -1).shape == (4, 60)  # what a user's .view() of a batch needs

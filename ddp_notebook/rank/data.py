@@ -187,7 +187,8 @@ class _GatheringTensorDataset(TensorDataset):
 
     def __getitems__(self, indices: list[int]) -> _Gathered:
         index = torch.as_tensor(indices, dtype=torch.int64)
-        return _Gathered(t[index.to(t.device)] if t.device.type != "cpu" else t[index] for t in self.tensors)
+        # contiguous, as torch.stack makes them: a transposed or channels_last tensor's rows keep its layout
+        return _Gathered(t[index.to(t.device)].contiguous() for t in self.tensors)
 
 
 def _collate(batch):
@@ -198,8 +199,8 @@ def _collate(batch):
 
 
 def _gathers_whole_batches(dataset: Dataset, batch_size: int | None, loader_kwargs: dict) -> bool:
-    return (isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__
-            and batch_size is not None and loader_kwargs.get("collate_fn") is None)
+    # A subclass may index, count or carry more than its tensors (its __getitem__, __getitems__, attributes)
+    return type(dataset) is TensorDataset and batch_size is not None and loader_kwargs.get("collate_fn") is None
 
 
 def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, exact: bool = False, *,
@@ -219,7 +220,7 @@ def distributed_loader(dataset: Dataset, batch_size: int = 1, shuffle: bool = Tr
     then run one batch more or fewer, so evaluate on ``ddp_model.module`` or
     under ``ddp_model.join()``.  While iterated, the loader reports its
     in-epoch progress to the dashboard (``progress=False`` turns that off).
-    A ``TensorDataset`` is indexed a whole batch at a time (one ``t[indices]``
+    A ``TensorDataset`` (the class itself, not a subclass) is indexed a whole batch at a time (one ``t[indices]``
     per tensor, not one sample at a time): the same batches, many times
     faster for small samples.  Other keyword arguments go to ``DataLoader``.
     """

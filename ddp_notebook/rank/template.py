@@ -30,6 +30,7 @@ def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses
     if pid:
         return pid
     try:  # the rank: nothing here may return into the template's loop
+        gc.unfreeze()  # the rank's collector sees every object, as a fresh rank's does (gc.get_referrers, cycles)
         os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         sock.close()
@@ -83,8 +84,8 @@ def _reap(statuses: dict[int, int]) -> None:
 
 
 def _settle_heap() -> None:
-    """Keep the pages ranks inherit shared: a rank's garbage collector would otherwise write to every object
-    the imports made (copying each page it touches), and freed heap goes back to the system first."""
+    """Give freed heap back to the system before ranks inherit it; the template's own collections leave the
+    imports' objects alone (a rank takes them back: see ``_fork_rank``)."""
     gc.collect()
     gc.freeze()
     try:

@@ -9,6 +9,7 @@ DDP_NOTEBOOK_SOAK_ROUNDS raises the number of rounds for a long run.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -64,7 +65,8 @@ def _interrupt(km, kc, flags):
     km.interrupt_kernel()
     deadline, said = time.monotonic() + 60, []
     while True:  # what the cell says meanwhile is kept: a cell that never ends shows where it stood
-        assert time.monotonic() < deadline, f"no reply 60 s after the interrupt; the cell said: {''.join(said)}"
+        assert time.monotonic() < deadline, f"no reply 60 s after the interrupt; the cell said: {''.join(said)}" \
+                                            f"\n{_stacks(km.provisioner.process.pid)}"
         while kc.iopub_channel.msg_ready():
             msg = kc.get_iopub_msg(timeout=1)
             if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
@@ -75,6 +77,21 @@ def _interrupt(km, kc, flags):
                 break
         time.sleep(0.05)
     assert reply["content"]["ename"] == "KeyboardInterrupt", (reply["content"], said)
+
+
+def _stacks(kernel_pid: int) -> str:
+    """Where the kernel and its processes stand, for a failure message (py-spy reads them from outside)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(py-spy is not installed: no stacks)"
+    dumps = []
+    for proc in [psutil.Process(kernel_pid), *psutil.Process(kernel_pid).children(recursive=True)]:
+        try:
+            out = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=20)
+            dumps.append(out.stdout + out.stderr)
+        except (subprocess.TimeoutExpired, psutil.Error) as exc:
+            dumps.append(f"{proc.pid}: {exc}")
+    return "\n".join(dumps)
 
 
 def _round(km, kc, run_dir):

@@ -220,8 +220,8 @@ def bench_throughput(reps: int, steps: int, work: str) -> dict:
             "paired": statistics.median(a / b for a, b in zip(results["launch()"], results["torchrun"]))}
 
 
-def bench_memory(reps: int, nbytes: int, work: str, timing_runs: bool = True, shape: str = "large",
-                 smoke: bool = False) -> dict:
+def bench_memory(reps: int, nbytes: int, work: str, shape: str = "large", smoke: bool = False) -> dict:
+    """``smoke``: one run of fewer modes, no separate timing runs."""
     modes = ["shared-ext", "shared", "naive", "fork"] if shape == "large" else ["shared-ext", "shared", "fork"]
     if smoke:  # the others differ from these by a flag or an environment variable only
         modes = ["shared-ext", "fork"]
@@ -236,7 +236,7 @@ def bench_memory(reps: int, nbytes: int, work: str, timing_runs: bool = True, sh
             # Twice: with the sampler for the peak, without it for the time to the first batch (on a
             # small machine the sampler's reads of smaps_rollup take CPU from the ranks).
             # Three timing runs (one of the slow plain-cloudpickle one): a single start-up is noisy.
-            timed = (1 if mode == "naive" or shape == "small" else 3) if timing_runs else 0
+            timed = 0 if smoke else 1 if mode == "naive" or shape == "small" else 3
             for sampling in (True,) + (False,) * timed:
                 notebook = subprocess.Popen([PY, WORKLOADS, "memory", mode, str(nbytes), out, shape],
                                             env=_env(TMPDIR=work), cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -261,7 +261,7 @@ def bench_memory(reps: int, nbytes: int, work: str, timing_runs: bool = True, sh
     return {"peak_gib": {m: _summary(v) for m, v in peaks.items()},
             "first_batch_s": {m: _summary(v) for m, v in first.items()},
             "mean_interval_ms": 1000 * statistics.mean(intervals), "at_peak": parts,
-            "timed_apart": timing_runs}
+            "timed_apart": not smoke}
 
 
 def bench_dump_load(nbytes: int, work: str) -> dict:
@@ -461,12 +461,10 @@ def main() -> None:
             r["throughput"]["steps"] = steps
         if "memory" in sections:
             print("memory ...", file=sys.stderr)
-            r["memory"] = bench_memory(1 if args.smoke else max(1, reps // 5), nbytes, work, not args.smoke,
-                                       smoke=args.smoke)
+            r["memory"] = bench_memory(max(1, reps // 5), nbytes, work, smoke=args.smoke)
         if "memory_small" in sections:
             print("memory, small samples ...", file=sys.stderr)
-            r["memory_small"] = bench_memory(1 if args.smoke else max(1, reps // 5), nbytes, work, not args.smoke,
-                                             shape="small", smoke=args.smoke)
+            r["memory_small"] = bench_memory(max(1, reps // 5), nbytes, work, shape="small", smoke=args.smoke)
         if "dump_load" in sections:
             print("dump and load ...", file=sys.stderr)
             r["dump_load"] = bench_dump_load(nbytes, work)

@@ -27,7 +27,7 @@ from .job import Job
 from .spec import JobSpec
 from ..wire.errors import LaunchError
 from .output import OutputRelay
-from .backend import RankBackend
+from .backend import RankBackend, signal_name
 from .local import LocalRanks
 
 _current: "Pool | None" = None
@@ -363,8 +363,7 @@ class Pool:
         ended = sorted(group.exited)
         if ended:
             codes = [group.exited[r] for r in ended]
-            how = ", ".join(signal.Signals(-c).name if isinstance(c, int) and -c in signal.valid_signals()
-                            else f"exit {c}" for c in codes)
+            how = ", ".join(signal_name(c) if isinstance(c, int) and c < 0 else f"exit {c}" for c in codes)
             return f"{out_of_step}: rank(s) {', '.join(map(str, ended))} ended in the check's all_reduce ({how})"
         if failed:
             rank = min(failed)

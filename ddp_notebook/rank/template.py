@@ -30,7 +30,6 @@ def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses
     if pid:
         return pid
     try:  # the rank: nothing here may return into the template's loop
-        gc.unfreeze()  # the rank's collector sees every object, as a fresh rank's does (gc.get_referrers, cycles)
         os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         sock.close()
@@ -84,10 +83,8 @@ def _reap(statuses: dict[int, int]) -> None:
 
 
 def _settle_heap() -> None:
-    """Give freed heap back to the system before ranks inherit it; the template's own collections leave the
-    imports' objects alone (a rank takes them back: see ``_fork_rank``)."""
+    """Give the imports' garbage and freed heap back to the system before ranks inherit the template's pages."""
     gc.collect()
-    gc.freeze()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -125,10 +125,12 @@ def test_a_large_dataset_costs_a_rank_under_40_mb_where_torchs_list_costs_over_1
 
 @st.composite
 def tensor_datasets(draw):
-    """A TensorDataset of 1-3 tensors of any dtype, each a view of any kind (from test_data_properties), all cut
-    to one length along the first dimension."""
+    """A TensorDataset of 1-3 tensors of any dtype, each a view of any kind (from test_data_properties), maybe one
+    more aliasing the first, all cut to one length along the first dimension."""
     fields = [draw(tensors(kinds=["whole", "rows", "step", "transpose", "column", "block", "conj", "neg",
                                   "expand"]))[1] for _ in range(draw(st.integers(1, 3)))]
+    if draw(st.booleans()):  # aliasing: the same tensor twice, or a view of another field's storage
+        fields.append(fields[0] if draw(st.booleans()) else fields[0][:, :1] if fields[0].dim() == 2 else fields[0][:])
     n = min(len(f) for f in fields)
     n = draw(st.integers(0, min(n, 300)))
     return torch.utils.data.TensorDataset(*(f[:n].detach() for f in fields))
@@ -156,6 +158,8 @@ def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, ba
         for got_batch, want_batch in zip(got, want):
             assert type(got_batch) is type(want_batch) is list
             assert len(got_batch) == len(want_batch) == len(ds.tensors)
+            filled = [g for g in got_batch if g.numel()]
+            assert len({g.untyped_storage().data_ptr() for g in filled}) == len(filled)  # own memory, as stacked
             for g, w in zip(got_batch, want_batch):
                 assert same_tensor(g, w), (g, w)
                 assert g.is_contiguous() and g.stride() == w.stride()  # laid out as torch.stack lays it out

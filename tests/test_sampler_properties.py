@@ -138,10 +138,12 @@ def tensor_datasets(draw):
 
 @PROFILE
 @given(ds=tensor_datasets(), world=st.integers(1, 4), batch=st.integers(1, 70), seed=st.integers(0, 2**31),
-       drop_last=st.booleans(), exact=st.booleans(), shuffle=st.booleans(), draw=st.data())
+       drop_last=st.booleans(), exact=st.booleans(), shuffle=st.booleans(),
+       own_mapping_from=st.sampled_from([0, 1, 4096, 1 << 20]), draw=st.data())
 def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, batch, seed, drop_last, exact,
-                                                                   shuffle, draw):
-
+                                                                   shuffle, own_mapping_from, draw):
+    """``own_mapping_from``: the batch size in bytes from which a batch is gathered into a mapping of its own
+    (1 MiB in use; lower here, so that small generated batches take that path too, or not)."""
     rank = draw.draw(st.integers(0, world - 1))
     with mock.patch.object(data, "rank_and_world_size", return_value=(rank, world)):
         ours = data.distributed_loader(ds, batch_size=batch, shuffle=shuffle, exact=exact, seed=seed,
@@ -153,7 +155,9 @@ def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, ba
     assert all(a is b for a, b in zip(ours.dataset.tensors, ds.tensors))  # the same tensors, not copies
     for epoch in range(2):
         sampler.set_epoch(epoch)
-        got, want = list(ours), list(per_sample)
+        with mock.patch.object(data, "_OWN_MAPPING_MIN_BYTES", own_mapping_from):
+            got = list(ours)
+        want = list(per_sample)
         assert len(got) == len(want) == len(ours)
         for got_batch, want_batch in zip(got, want):
             assert type(got_batch) is type(want_batch) is list
@@ -163,6 +167,25 @@ def test_a_tensor_dataset_gives_the_batches_of_a_per_sample_loader(ds, world, ba
             for g, w in zip(got_batch, want_batch):
                 assert same_tensor(g, w), (g, w)
                 assert g.is_contiguous() and g.stride() == w.stride()  # laid out as torch.stack lays it out
+
+
+def _anonymous_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Anonymous:"))
+
+
+def test_a_big_gathered_batch_gives_its_memory_back_when_it_is_freed():
+    ds = torch.utils.data.TensorDataset(torch.randn(1 << 16, 256))  # 64 MiB; batches of 16 MiB
+    loader = data.distributed_loader(ds, batch_size=1 << 14, shuffle=False, progress=False)
+    after_each = []
+    for (xb,) in loader:
+        assert xb.is_contiguous() and xb.shape == (1 << 14, 256)
+        del xb
+        after_each.append(_anonymous_bytes())
+    # From glibc's heap, every batch after the first would leave its 16 MiB behind (measured: +16 to +32 MiB)
+    assert max(after_each) - after_each[0] < 4 << 20, [n >> 20 for n in after_each]
+    batches = [xb for (xb,) in loader]  # kept batches are whole, each in memory of its own
+    assert torch.equal(torch.cat(batches), ds.tensors[0])
 
 
 def test_a_tensor_dataset_subclass_is_indexed_as_its_class_says():

@@ -178,10 +178,12 @@ def test_three_kernels_start_jobs_at_once_on_distinct_ports(no_leftovers):
         for (_, kc), msg_id in zip(kernels, ids):
             reply = kc.get_shell_msg(timeout=120)
             assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
-            printed = kc.execute_interactive("print(port)", timeout=30, output_hook=lambda m: ports.append(
-                m["content"].get("text", "").strip()) if m["msg_type"] == "stream" else None)
+            texts = []  # print() writes the number and the newline apart: they may come as two messages
+            printed = kc.execute_interactive("print(port)", timeout=30, output_hook=lambda m: texts.append(
+                m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
             assert printed["content"]["status"] == "ok"
-        assert len(set(ports)) == 3 and all(p.isdigit() for p in ports)
+            ports.append("".join(texts).strip())
+        assert len(set(ports)) == 3 and all(p.isdigit() for p in ports), ports
 
 
 @pytest.mark.kernel

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import time
 from multiprocessing.connection import wait as wait_ready
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
@@ -63,6 +64,7 @@ def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_w
 
 
 MPL_BACKEND = "module://ddp_notebook.rank.mpl_backend"
+_EXITS_EVERY_S = 0.1  # while messages keep a pump busy, how often it still looks for ranks that ended
 
 
 class RankBackend(abc.ABC):
@@ -105,6 +107,11 @@ class RankBackend(abc.ABC):
     @abc.abstractmethod
     def send(self, rank: int, message: tuple) -> None:
         """Send ``(kind, body)`` to a rank now, or as soon as it has connected."""
+
+    def send_to(self, ranks, message: tuple) -> None:
+        """Send one ``(kind, body)`` to each of these ranks."""
+        for rank in ranks:
+            self.send(rank, message)
 
     @abc.abstractmethod
     def pump(self, timeout: float = 0.1) -> None:
@@ -172,6 +179,7 @@ class ChannelRanks(RankBackend):
         self._queued: dict[int, list[tuple]] = {}  # messages for ranks not connected yet
         self._known: dict[Any, int] = {}  # connection -> rank, kept to notice a lost connection
         self._poller: tuple[tuple, Any, dict] | None = None  # (what it watches, select.poll, fd -> object)
+        self._exits_checked = 0.0
 
     def start(self, task: Any = None, task_id: int = 0) -> "ChannelRanks":
         """Start every rank (:meth:`launch`); what was started is stopped again if that fails."""
@@ -201,6 +209,20 @@ class ChannelRanks(RankBackend):
                 return
         self._queued.setdefault(rank, []).append(message)
 
+    def send_to(self, ranks, message: tuple) -> None:
+        """Pickled once for all of them (a cell's task goes to every rank)."""
+        data = bytes(ForkingPickler.dumps(message))
+        by_rank = {r: conn for conn, r in self.connections.items() if r >= 0}
+        with whole_message():
+            for rank in ranks:
+                if rank not in by_rank:
+                    self._queued.setdefault(rank, []).append(message)
+                    continue
+                try:
+                    by_rank[rank].send_bytes(data)
+                except OSError:
+                    pass  # its exit tells the rest
+
     def signal(self, ranks, sig: int) -> None:
         """Send ``sig`` to these ranks' processes."""
         for rank in ranks:
@@ -218,13 +240,19 @@ class ChannelRanks(RankBackend):
     # -- watch -----------------------------------------------------------
     def pump(self, timeout: float = 0.1) -> None:
         self.take_new_connections()
-        for obj in self._ready(timeout):
+        ready = self._ready(timeout)
+        connected = len(self.connections)
+        for obj in ready:
             if isinstance(obj, int):
                 self.read_output(obj)
             else:
-                self.read_connection(obj)
+                self.read_connection(obj, drain=False)
         self.relay.maybe_flush()
-        self.check_exits()
+        now = time.monotonic()
+        # Ranks' exits: a process poll per rank, so not in every pump while messages flow.
+        if not ready or len(self.connections) < connected or now - self._exits_checked >= _EXITS_EVERY_S:
+            self._exits_checked = now
+            self.check_exits()
 
     def _ready(self, timeout: float) -> list:
         """The connections and pipes with something to read (or closed), waiting up to ``timeout`` seconds: what
@@ -277,27 +305,34 @@ class ChannelRanks(RankBackend):
         else:
             del self.pipes[fd]
 
-    def read_connection(self, conn) -> None:
-        """Hand on the messages waiting on one connection."""
+    def read_connection(self, conn, drain: bool = True) -> None:
+        """Hand on the messages waiting on one connection; with ``drain`` False, the one message known to be
+        there (whether more wait, the next poll of every connection tells: each extra call may hand off the
+        GIL, which costs a cell of the warm pool when the kernel's own threads are busy)."""
         try:
-            while _readable(conn):
+            while not drain or _readable(conn):
                 with whole_message():
                     kind, body = conn.recv()
-                rank = self.connections.get(conn, -1)
-                if kind == protocol.HELLO:
-                    rank = self.connections[conn] = int(body["rank"])
-                    for message in self._queued.pop(rank, []):
-                        with whole_message():
-                            conn.send(message)
-                elif rank < 0:
-                    continue  # nothing counts before a rank has said who it is
-                elif kind == protocol.READY:
-                    self.ready.add(rank)
-                log.debug("rank %s: %s %s", rank, kind, sorted(body))
-                self.handle(rank, kind, body)
+                self._take(conn, kind, body)
+                if not drain:
+                    return
         except (EOFError, OSError):
             self.connections.pop(conn, None)
             conn.close()
+
+    def _take(self, conn, kind: str, body: dict) -> None:
+        rank = self.connections.get(conn, -1)
+        if kind == protocol.HELLO:
+            rank = self.connections[conn] = int(body["rank"])
+            for message in self._queued.pop(rank, []):
+                with whole_message():
+                    conn.send(message)
+        elif rank < 0:
+            return  # nothing counts before a rank has said who it is
+        elif kind == protocol.READY:
+            self.ready.add(rank)
+        log.debug("rank %s: %s %s", rank, kind, sorted(body))
+        self.handle(rank, kind, body)
 
     def handle(self, rank: int, kind: str, body: dict) -> None:
         """A rank's message, once it has said who it is (hook: messages a backend acts on itself)."""

@@ -8,6 +8,7 @@ nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 """
 from __future__ import annotations
 
+import _signal
 import contextlib
 import itertools
 import os
@@ -277,9 +278,8 @@ class Job(EventSource):
                 self.group.kill()
             raise
         self._task_path = where.get("path")
-        for rank in self.targets:
-            self.group.send(rank, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
-                                                  "attempt": self.attempt}))
+        self.group.send_to(self.targets, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
+                                                         "attempt": self.attempt}))
 
     # -- watch -----------------------------------------------------------
     def _pump(self, timeout: float = 0.1) -> None:
@@ -411,12 +411,13 @@ class Job(EventSource):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = signal.signal(signal.SIGUSR2, lambda signum, frame: print(
+        # _signal: signal.signal's calls without its enum conversions, as in wire/channel.py's whole_message
+        previous = _signal.signal(signal.SIGUSR2, lambda signum, frame: print(
             f"ddp_notebook: where each rank is (job #{self.task_id}):\n{self.stacks()}", file=sys.stderr))
         try:
             yield
         finally:
-            signal.signal(signal.SIGUSR2, previous)
+            _signal.signal(signal.SIGUSR2, previous)
 
     def _run(self) -> None:
         try:
@@ -460,8 +461,7 @@ class Job(EventSource):
         self._stop_asked_at = time.monotonic()
         log.debug("job #%s: graceful stop asked by %s", self.task_id, by)
         self.emit(protocol.STOPPING, -1, {"by": by, "grace": self.stop_grace})
-        for rank in self.targets:
-            self.group.send(rank, (protocol.STOP, {"task": self.task_id}))
+        self.group.send_to(self.targets, (protocol.STOP, {"task": self.task_id}))
 
     def _on_grace_expired(self) -> None:
         """A graceful stop found no boundary in time: say so, and where each rank was."""

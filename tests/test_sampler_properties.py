@@ -6,7 +6,9 @@ switching samplers changes no result.  ``exact=True`` covers every index once ac
 """
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import subprocess
 import sys
 
@@ -38,8 +40,11 @@ class Sized:
 
 @PROFILE
 @given(n=st.integers(0, 3000), world=st.integers(1, 9), seed=st.integers(0, 2**40), epoch=st.integers(0, 50),
-       shuffle=st.booleans(), drop_last=st.booleans(), draw=st.data())
-def test_same_indices_and_order_as_torchs_sampler(n, world, seed, epoch, shuffle, drop_last, draw):
+       shuffle=st.booleans(), drop_last=st.booleans(), own_mapping_from=st.sampled_from([1, 4096, 1 << 20]),
+       draw=st.data())
+def test_same_indices_and_order_as_torchs_sampler(n, world, seed, epoch, shuffle, drop_last, own_mapping_from, draw):
+    """``own_mapping_from``: lowered, so that the order and the share of small datasets have memory of their own
+    too (from 1 MiB in use)."""
     rank = draw.draw(st.integers(0, world - 1))
     theirs = DistributedSampler(Sized(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
                                 drop_last=drop_last)
@@ -47,7 +52,8 @@ def test_same_indices_and_order_as_torchs_sampler(n, world, seed, epoch, shuffle
     theirs.set_epoch(epoch)
     ours.set_epoch(epoch)
     expected = list(theirs)
-    assert list(ours) == expected
+    with mock.patch.object(data, "_OWN_MAPPING_MIN_BYTES", own_mapping_from):
+        assert list(ours) == expected
     assert len(ours) == len(expected)
 
 
@@ -186,6 +192,41 @@ def test_a_big_gathered_batch_gives_its_memory_back_when_it_is_freed():
     assert max(after_each) - after_each[0] < 4 << 20, [n >> 20 for n in after_each]
     batches = [xb for (xb,) in loader]  # kept batches are whole, each in memory of its own
     assert torch.equal(torch.cat(batches), ds.tensors[0])
+
+
+def test_batches_in_memory_of_their_own_pickle_save_and_cross_worker_processes_whole(tmp_path):
+    ds = torch.utils.data.TensorDataset(torch.randn(1 << 12, 256), torch.arange(1 << 12))  # batches of 1 MiB
+    loader = data.distributed_loader(ds, batch_size=1 << 10, shuffle=False, progress=False)
+    xb, yb = next(iter(loader))
+    assert xb.nbytes == data._OWN_MAPPING_MIN_BYTES and torch.equal(xb, ds.tensors[0][:1 << 10])
+    assert not xb.untyped_storage().resizable()  # memory torch's allocator did not give: the mapping
+    assert torch.equal(pickle.loads(pickle.dumps(xb)), xb)
+    torch.save({"x": xb}, tmp_path / "batch.pt")
+    assert torch.equal(torch.load(tmp_path / "batch.pt")["x"], xb)
+    assert torch.equal(copy.deepcopy(xb), xb) and torch.equal(xb.clone().add_(1), xb + 1)
+    in_workers = data.distributed_loader(ds, batch_size=1 << 10, shuffle=False, progress=False, num_workers=2)
+    for (x, y), (want_x, want_y) in zip(in_workers, loader, strict=True):  # through the workers' queues
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32,
+                                   torch.int32, torch.uint64, torch.int64, torch.float16, torch.bfloat16,
+                                   torch.float32, torch.float64, torch.complex64, torch.complex128,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_big_batch_of_any_dtype_is_gathered_exactly(dtype):
+    """Into a mapping of its own where ``index_select`` takes the dtype; as ``t[index]`` does where it does not
+    (1-d unsigned 16-64 bit tensors in torch 2.13)."""
+    generator = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8, generator=generator)
+    index = torch.randint(0, 1 << 18, (1 << 17,), generator=generator)
+    for t in (raw[:(1 << 22) // dtype.itemsize * dtype.itemsize].view(dtype),  # 1-d: its own kernel
+              raw.view(dtype).view(1 << 18, -1)):
+        if dtype == torch.bool:
+            t = t != 0  # a bool tensor holds 0 or 1 only
+        got = data._gather(t, index[index < len(t)])
+        want = t[index[index < len(t)]]
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
 
 
 def test_a_tensor_dataset_subclass_is_indexed_as_its_class_says():

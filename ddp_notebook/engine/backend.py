@@ -211,7 +211,7 @@ class ChannelRanks(RankBackend):
 
     def send_to(self, ranks, message: tuple) -> None:
         """Pickled once for all of them (a cell's task goes to every rank)."""
-        data = bytes(ForkingPickler.dumps(message))
+        data = ForkingPickler.dumps(message)
         by_rank = {r: conn for conn, r in self.connections.items() if r >= 0}
         with whole_message():
             for rank in ranks:
@@ -322,8 +322,8 @@ class ChannelRanks(RankBackend):
 
     def _take(self, conn, kind: str, body: dict) -> None:
         rank = self.connections.get(conn, -1)
-        if kind == protocol.HELLO:
-            rank = self.connections[conn] = int(body["rank"])
+        if kind == protocol.HELLO:  # known from now on, so that its connection's end tells its exit (lost_ranks)
+            rank = self.connections[conn] = self._known[conn] = int(body["rank"])
             for message in self._queued.pop(rank, []):
                 with whole_message():
                     conn.send(message)

@@ -157,18 +157,24 @@ class TorchrunNode(ChannelRanks):
 
     # -- who has ended: ranks by their connection, node 0's also by the agent -------------------
     def check_exits(self) -> None:
-        for rank in self.lost_ranks():
-            if rank not in self.exited:
-                self.exited[rank] = None  # its exit status is its host's to know
-                self._on_exit(rank, None)
+        self._lost_are_exited()
         agent = self.procs[0] if self.procs else None
         if agent is not None and not self._agent_ended and agent.poll() is not None:
             self._agent_ended = True
             self._drain_agent()
+            for conn in list(self.connections):  # a rank's last words (its error, its result) come first
+                self.read_connection(conn)
+            self._lost_are_exited()
             for rank in range(self.local):  # node 0's ranks that never said goodbye
                 if rank not in self.exited:
                     self.exited[rank] = agent.returncode
                     self._on_exit(rank, agent.returncode)
+
+    def _lost_are_exited(self) -> None:
+        for rank in self.lost_ranks():
+            if rank not in self.exited:
+                self.exited[rank] = None  # its exit status is its host's to know
+                self._on_exit(rank, None)
 
     def shut_down(self, wait: float = 10.0) -> None:
         """The job is done: let this host's agent end with its ranks, then stop whatever is left."""

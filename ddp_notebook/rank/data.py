@@ -226,10 +226,13 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     index = index.to(t.device)
     shape = (len(index), *t.shape[1:])
     nbytes = math.prod(shape) * t.element_size()
-    if not _is_big(nbytes) or t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized \
-            or t.requires_grad or t.is_conj() or t.is_neg():  # these keep the plain path
+    if not _is_big(nbytes) or type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided \
+            or t.is_quantized or t.requires_grad or t.is_conj() or t.is_neg():  # these keep the plain path
         return t[index].contiguous()
-    return torch.index_select(t, 0, index, out=_own_memory(nbytes).view(t.dtype).view(shape))
+    try:
+        return torch.index_select(t, 0, index, out=_own_memory(nbytes).view(t.dtype).view(shape))
+    except (RuntimeError, NotImplementedError):  # a dtype index_select does not take (t[index] may)
+        return t[index].contiguous()
 
 
 def _collate(batch):

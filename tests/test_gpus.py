@@ -121,7 +121,7 @@ def test_ranks_of_our_jobs_are_found_by_pid_and_named(server, monkeypatch):
         assert g4.jobs_text() == "ddp_notebook job of this notebook (rank 1); 1 other process"
         # This pytest process is on GPU 1, but it is not a rank.
         assert found[1].processes[0].pid == os.getpid() and not found[1].processes[0].ours
-        assert found[1].processes[0].name == "python" or found[1].processes[0].name.startswith("python")
+        assert found[1].processes[0].name.startswith(psutil.Process().cmdline()[0])  # named by its command line
         assert [g.index for g in found if g.our_ranks] == [4]
         text = gpus.table(found, "NVML")
         assert "GPU 4 already run a ddp_notebook job." in text

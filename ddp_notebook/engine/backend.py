@@ -199,18 +199,10 @@ class ChannelRanks(RankBackend):
 
     # -- talk ------------------------------------------------------------
     def send(self, rank: int, message: tuple) -> None:
-        for conn, r in self.connections.items():
-            if r == rank:
-                try:
-                    with whole_message():
-                        conn.send(message)
-                except OSError:
-                    pass  # its exit tells the rest
-                return
-        self._queued.setdefault(rank, []).append(message)
+        self.send_to((rank,), message)
 
     def send_to(self, ranks, message: tuple) -> None:
-        """Pickled once for all of them (a cell's task goes to every rank)."""
+        """Pickled once for all of them (a cell's task goes to every rank); queued for a rank not connected yet."""
         data = ForkingPickler.dumps(message)
         by_rank = {r: conn for conn, r in self.connections.items() if r >= 0}
         with whole_message():

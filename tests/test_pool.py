@@ -127,6 +127,46 @@ def test_seen_values_come_back_from_a_pool_cell(no_leftovers):
     assert "--return copies names back from rank 0, which --ranks leaves out" in text(nb.cells[13])
 
 
+
+@pytest.mark.slow
+@pytest.mark.kernel
+def test_pool_cells_compile_as_the_notebook_does_and_get_each_source_once(no_leftovers):
+    nb, _ = run_cells([
+        "%load_ext ddp_notebook",
+        "%ddp_start --cpus 2",
+        "def boom(n):\n    if n > 0:\n        raise ValueError(f'boom {n}')\n",
+        "%%ddp\nboom(1)",
+        "%%ddp\nx = 1",
+        "%%ddp\nx += 1",
+        # 6: the ranks hold cell 2's source by now; its label and lines still show
+        "%%ddp\nboom(7)",
+        # 7: a function a %%ddp cell defined fails in a later cell: the line is shown as the user wrote it
+        "%%ddp\ndef inverse(v):\n    return 1 / v\n",
+        "%%ddp\ninverse(rank - rank)",
+        "%%ddp\nx += 2",
+        # 10: the earlier cells' sources are not sent again, only this cell's own
+        "from ddp_notebook.engine import pool\nfrom ddp_notebook.wire import payload\n"
+        "print(sorted(pool.current().sources_to_ship(payload.notebook_sources(), [0, 1]).labels.values()))",
+        # 11: annotations are evaluated as in the notebook, with the notebook's __future__ features
+        "%%ddp --return hints\ndef typed(a: int) -> float:\n    return a\nhints = typed.__annotations__",
+        "print(hints)",
+        "from __future__ import annotations",
+        "%%ddp --return hints\ndef typed(a: int) -> float:\n    return a\nhints = typed.__annotations__",
+        "print(hints)",
+        "%ddp_stop",
+    ])
+    c = nb.cells
+    where = f'File "Cell In[{c[2].execution_count}]", line 3, in boom'
+    for cell, value in ((c[3], "boom 1"), (c[6], "boom 7")):
+        shown = text(cell)
+        assert f"ValueError: {value}" in shown and where in shown and "raise ValueError(f'boom {n}')" in shown
+    shown = text(c[8])
+    assert f'File "Cell In[{c[7].execution_count}]", line 3, in inverse' in shown and "return 1 / v" in shown
+    assert text(c[10]) == f"['Cell In[{c[10].execution_count}]']\n"
+    assert text(c[12]) == "{'a': <class 'int'>, 'return': <class 'float'>}\n"
+    assert text(c[15]) == "{'a': 'int', 'return': 'float'}\n"
+
+
 TRAIN = '''%%ddp
 import os, time
 net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))

@@ -132,6 +132,9 @@ class Pool:
         # What each rank holds of the notebook's names: name -> fingerprint at shipping time (or at the
         # moment the ranks bound the name themselves, so their value wins until the notebook changes its own).
         self._held: list[dict[str, str]] = []
+        # The cell sources each rank has installed (for its tracebacks): filename -> (text, label).  Later cells send
+        # only new or changed ones, so a cell's task does not grow with the notebook's history.
+        self._sources_held: list[dict[str, tuple[str, str | None]]] = []
         # Every name a cell bound on the ranks or was sent (None: a cell bound names no reading can tell);
         # a cell may read them though the notebook has none.  Not cleared by a restart: better a late NameError
         # than a false refusal.
@@ -160,6 +163,7 @@ class Pool:
         group.relay.flush(final=True)
         self.group = group
         self._held = [{} for _ in range(spec.world_size)]
+        self._sources_held = [{} for _ in range(spec.world_size)]
         _current = self
         return self
 
@@ -233,6 +237,16 @@ class Pool:
                 shipped[name] = value
         return shipped
 
+    def sources_to_ship(self, sources: payload.Sources, targets: list[int]) -> payload.Sources:
+        """The cell sources (and labels) some target rank has not installed as they are now."""
+        def held_by_all(filename: str) -> bool:
+            entry = (sources.texts.get(filename), sources.labels.get(filename))
+            return all(self._sources_held[r].get(filename) == entry for r in targets)
+
+        missing = [f for f in sources.texts.keys() | sources.labels.keys() if not held_by_all(f)]
+        return payload.Sources({f: sources.texts[f] for f in missing if f in sources.texts},
+                               {f: sources.labels[f] for f in missing if f in sources.labels})
+
     def job(self, task: bytes, spec: JobSpec, targets: list[int] | None = None,
             relay: OutputRelay | None = None, max_restarts: int = 0) -> Job:
         """A job for one cell (or call) on the pool's ranks."""
@@ -258,15 +272,21 @@ class Pool:
             self.busy = None
 
     def cell_done(self, job: Job, shipped: dict[str, Any], code: str, user_ns: dict,
-                  returned: dict[str, Any] | None = None) -> None:
+                  returned: dict[str, Any] | None = None, sources: payload.Sources | None = None) -> None:
         """After a cell: remember what the ranks hold now.
 
         Names the ranks bound (or sent back with ``--return``) are theirs: the
         notebook's value of the same name is shipped again only once it changes.
+        The cell sources sent are installed on the ranks that ran the cell through (after a failure, they are
+        sent again: the task may have failed before it installed them).
         """
         self.cells += 1
         if self.group is None or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
+        if sources is not None:
+            for rank in set(job.targets) & set(job.outcome.results):
+                self._sources_held[rank].update(
+                    {f: (sources.texts.get(f), sources.labels.get(f)) for f in sources.texts.keys() | sources.labels.keys()})
         if job.results is None:  # what the failed cell bound, or was sent, may be missing or half-made
             for rank in job.targets:
                 for name in names_assigned(code) | set(shipped):

@@ -270,12 +270,17 @@ class DDPMagics(Magics):
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         try:
-            if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name
-                names = warm.to_ship(names, targets if targets is not None else list(range(spec.world_size)))
+            written = f"%%ddp {line}\n{cell}"
+            payload.hold_cell_text(filename, written)  # IPython holds the transformed call
             sources = payload.notebook_sources()
-            sources.texts[filename] = f"%%ddp {line}\n{cell}"  # IPython holds the transformed call
+            sources.texts[filename] = written
             sources.labels[filename] = f"Cell In[{number}]"
-            task = payload.CellTask(cell, filename, 1, names, returns, sources)
+            if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name and source
+                pool_ranks = targets if targets is not None else list(range(spec.world_size))
+                names = warm.to_ship(names, pool_ranks)
+                sources = warm.sources_to_ship(sources, pool_ranks)
+            task = payload.CellTask(cell, filename, 1, names, returns, sources,
+                                    payload.future_features(getattr(shell.compile, "flags", 0)))
             if export_only:
                 exported = exporting.write(task, args.export, run_dir=args.run_dir, seed=args.seed,
                                            timeout=args.timeout, backend=args.backend)
@@ -301,7 +306,7 @@ class DDPMagics(Magics):
                 warm.rank_names = None if bound is None or warm.rank_names is None \
                     else warm.rank_names | bound | set(names)
                 warm.cell_done(job, names, cell, shell.user_ns, job.results[0].values if job.results and returns
-                               else None)
+                               else None, sources=task.sources)
 
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)

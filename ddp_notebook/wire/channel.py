@@ -15,7 +15,7 @@ import secrets
 import signal
 import socket
 import threading
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 __all__ = ["ChannelServer", "connect", "Sender", "whole_message"]
 
@@ -47,6 +47,7 @@ class ChannelServer:
             except OSError:
                 return  # listener shut down
             sock.setblocking(True)
+            _send_at_once(sock)
             conn = Connection(sock.detach())
             thread = threading.Thread(target=self._handshake, args=(conn,), name="ddp-channel-auth", daemon=True)
             with self._lock:
@@ -104,16 +105,22 @@ class ChannelServer:
             conn.close()
 
 
+def _send_at_once(sock: socket.socket) -> None:
+    """No Nagle delay: a ``Connection`` writes a message over 16 KiB as two writes (its length, then its bytes),
+    and with Nagle's algorithm the second waits for the peer's ACK of the first, which the peer delays by up to
+    40 ms."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def connect(address: tuple[str, int], key: bytes, timeout: float | None = None) -> Connection:
     """Rank side: connect to the notebook's channel (giving up after ``timeout`` seconds when it is given: a
     firewall may drop the attempt without an answer)."""
-    if timeout is None:
-        return Client(tuple(address), family="AF_INET", authkey=key)
     sock = socket.create_connection(tuple(address), timeout=timeout)
     sock.setblocking(True)  # Connection reads and writes the bare descriptor
+    _send_at_once(sock)
     conn = Connection(sock.detach())
     try:
-        answer_challenge(conn, key)  # as Client does
+        answer_challenge(conn, key)  # as multiprocessing.connection.Client does
         deliver_challenge(conn, key)
     except BaseException:
         conn.close()

@@ -8,6 +8,7 @@ importable from ``__main__`` in the ranks.  Rank side: no IPython here.
 """
 from __future__ import annotations
 
+import __future__
 import ast
 import builtins
 import functools
@@ -31,6 +32,24 @@ RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 # Names IPython keeps in the user namespace that a cell never means to ship.
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh", "_ii", "_iii", "_i"}
 
+_FUTURE_FLAGS = 0
+for _feature in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+
+# The labels ("Cell In[3]") of every cell source installed in this process, for its tracebacks: a warm pool's
+# rank is sent a cell's source once, and later tasks refer to it.
+_installed_labels: dict[str, str] = {}
+
+
+def future_features(compiler_flags: int) -> int:
+    """The ``from __future__`` features among a compiler's flags (IPython keeps a cell's for the cells after it)."""
+    return compiler_flags & _FUTURE_FLAGS
+
+
+def installed_labels() -> dict[str, str]:
+    """Rank side: the labels of every cell source this process has installed so far."""
+    return _installed_labels
+
 
 @dataclass
 class Sources:
@@ -42,6 +61,7 @@ class Sources:
     def install(self) -> None:
         for filename, text in self.texts.items():
             linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        _installed_labels.update(self.labels)
 
 
 @dataclass
@@ -54,12 +74,14 @@ class CellTask:
     names: dict[str, Any]
     returns: list[str]
     sources: Sources
+    future_flags: int = 0  # the notebook's ``from __future__`` features (:func:`future_features`)
 
     def run(self, ctx, namespace: dict | None = None) -> Any:
         self.sources.install()
-        tree = ast.parse(self.code, self.filename, "exec")
-        ast.increment_lineno(tree, self.line_offset)
-        compiled = compile(tree, self.filename, "exec")
+        # As the notebook compiles the cell: with its __future__ features and none of this module's (dont_inherit);
+        # the blank lines give each line its number in the notebook cell.
+        compiled = compile("\n" * self.line_offset + self.code, self.filename, "exec", flags=self.future_flags,
+                           dont_inherit=True)
         ns = namespace if namespace is not None else {}
         ns.setdefault("__name__", "__main__")
         ns.setdefault("__builtins__", builtins)
@@ -288,8 +310,18 @@ def release(data: Any) -> None:
         bundle.release()
 
 
+# Cells whose code IPython holds transformed (a %%ddp cell is a call of the magic), as their user wrote them.
+_written_texts: dict[str, str] = {}
+
+
+def hold_cell_text(filename: str, text: str) -> None:
+    """Notebook side: the cell IPython compiled as ``filename`` was written as ``text`` (its lines are the ones
+    the ranks compile): tracebacks show it, in this task and later ones."""
+    _written_texts[filename] = text
+
+
 def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
-    """Cell sources held only in memory (IPython's cells), with IPython's labels."""
+    """Cell sources held only in memory (IPython's cells) as their user wrote them, with IPython's labels."""
     sources = Sources()
     ipython = sys.modules.get("IPython")  # the notebook's shell, if this process has one (never imported here)
     shell = ipython.get_ipython() if ipython is not None else None
@@ -300,7 +332,7 @@ def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
             continue  # real files are read from disk by the ranks
         if filename not in filename_map and filename not in extra_files and not filename.startswith("<"):
             continue
-        text = "".join(entry[2])
+        text = _written_texts.get(filename) or "".join(entry[2])
         if len(text) > budget:
             break
         budget -= len(text)

@@ -457,7 +457,7 @@ def main() -> None:
             r["launch"] = bench_launch(reps, work)
         if "throughput" in sections:
             print("throughput ...", file=sys.stderr)
-            r["throughput"] = bench_throughput(1 if args.smoke else max(6, reps // 2), steps, work)
+            r["throughput"] = bench_throughput(1 if args.smoke else max(12, reps), steps, work)  # 1-2% noise per run
             r["throughput"]["steps"] = steps
         if "memory" in sections:
             print("memory ...", file=sys.stderr)

@@ -204,13 +204,18 @@ def bench_throughput(reps: int, steps: int, work: str) -> dict:
         order = ["launch()", "torchrun"] if rep % 2 == 0 else ["torchrun", "launch()"]
         for name in order:
             args = [out, str(steps), "10", "64"]
-            if name == "launch()":
-                command = [PY, WORKLOADS, "launch-cnn"] + args
-            else:
-                command = _torchrun() + ["--nproc-per-node", "2", "--master-port", str(_free_port()), WORKLOADS,
-                                         "torchrun-cnn"] + args
-            subprocess.run(command, env=_env(OMP_NUM_THREADS=1, TMPDIR=work), cwd=ROOT, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for attempt in (1, 2):  # a free port found for torchrun can be taken before it binds it: try again
+                if name == "launch()":
+                    command = [PY, WORKLOADS, "launch-cnn"] + args
+                else:
+                    command = _torchrun() + ["--nproc-per-node", "2", "--master-port", str(_free_port()), WORKLOADS,
+                                             "torchrun-cnn"] + args
+                done = subprocess.run(command, env=_env(OMP_NUM_THREADS=1, TMPDIR=work), cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                if done.returncode == 0:
+                    break
+                print(f"{name} failed (attempt {attempt}):\n{done.stderr[-3000:]}", file=sys.stderr)
+            done.check_returncode()
             with open(out) as f:
                 found = json.load(f)
             results[name].append(found["samples_per_s"])

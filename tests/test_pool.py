@@ -153,6 +153,10 @@ def test_pool_cells_compile_as_the_notebook_does_and_get_each_source_once(no_lef
         "from __future__ import annotations",
         "%%ddp --return hints\ndef typed(a: int) -> float:\n    return a\nhints = typed.__annotations__",
         "print(hints)",
+        # 16: a rank dies between cells: the fresh ranks get every name and source the cell needs (and keep the
+        # sources though something clears linecache, as profilers and debuggers do)
+        "import os, signal, time\nos.kill(pool.current().group.pids[1], signal.SIGKILL)\ntime.sleep(1)",
+        "%%ddp\nimport linecache\nlinecache.clearcache()\nboom(5)",
         "%ddp_stop",
     ])
     c = nb.cells
@@ -165,6 +169,9 @@ def test_pool_cells_compile_as_the_notebook_does_and_get_each_source_once(no_lef
     assert text(c[10]) == f"['Cell In[{c[10].execution_count}]']\n"
     assert text(c[12]) == "{'a': <class 'int'>, 'return': <class 'float'>}\n"
     assert text(c[15]) == "{'a': 'int', 'return': 'float'}\n"
+    shown = text(c[17])
+    assert "rank(s) 1 of the warm pool had died; the warm pool was restarted" in shown
+    assert "ValueError: boom 5" in shown and where in shown and "raise ValueError(f'boom {n}')" in shown
 
 
 TRAIN = '''%%ddp

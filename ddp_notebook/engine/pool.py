@@ -107,6 +107,11 @@ def names_assigned(code: str) -> set[str]:
     return assigned
 
 
+def _source_entries(sources: payload.Sources) -> dict[str, tuple[str | None, str | None]]:
+    """Each file of ``sources`` as a rank holds it once installed: (its text, its label)."""
+    return {f: (sources.texts.get(f), sources.labels.get(f)) for f in sources.texts.keys() | sources.labels.keys()}
+
+
 def collective_calls(code: str) -> list[str]:
     """Obvious collective calls in the code (``dist.all_reduce(...)``, ``DDP(...)``, ...)."""
     found = []
@@ -134,7 +139,7 @@ class Pool:
         self._held: list[dict[str, str]] = []
         # The cell sources each rank has installed (for its tracebacks): filename -> (text, label).  Later cells send
         # only new or changed ones, so a cell's task does not grow with the notebook's history.
-        self._sources_held: list[dict[str, tuple[str, str | None]]] = []
+        self._sources_held: list[dict[str, tuple[str | None, str | None]]] = []
         # Every name a cell bound on the ranks or was sent (None: a cell bound names no reading can tell);
         # a cell may read them though the notebook has none.  Not cleared by a restart: better a late NameError
         # than a false refusal.
@@ -239,11 +244,8 @@ class Pool:
 
     def sources_to_ship(self, sources: payload.Sources, targets: list[int]) -> payload.Sources:
         """The cell sources (and labels) some target rank has not installed as they are now."""
-        def held_by_all(filename: str) -> bool:
-            entry = (sources.texts.get(filename), sources.labels.get(filename))
-            return all(self._sources_held[r].get(filename) == entry for r in targets)
-
-        missing = [f for f in sources.texts.keys() | sources.labels.keys() if not held_by_all(f)]
+        entries = _source_entries(sources)
+        missing = [f for f, entry in entries.items() if any(self._sources_held[r].get(f) != entry for r in targets)]
         return payload.Sources({f: sources.texts[f] for f in missing if f in sources.texts},
                                {f: sources.labels[f] for f in missing if f in sources.labels})
 
@@ -252,7 +254,7 @@ class Pool:
         """A job for one cell (or call) on the pool's ranks."""
         if self.busy is not None:
             raise LaunchError("the warm pool is busy with a background job: wait for it (job.wait()) or stop it")
-        self._ensure_alive()
+        self.ensure_alive()
         targets = list(range(self.spec.world_size)) if targets is None else targets
         bad = [r for r in targets if not 0 <= r < self.spec.world_size]
         if bad:
@@ -284,9 +286,9 @@ class Pool:
         if self.group is None or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
         if sources is not None:
+            entries = _source_entries(sources)
             for rank in set(job.targets) & set(job.outcome.results):
-                self._sources_held[rank].update(
-                    {f: (sources.texts.get(f), sources.labels.get(f)) for f in sources.texts.keys() | sources.labels.keys()})
+                self._sources_held[rank].update(entries)
         if job.results is None:  # what the failed cell bound, or was sent, may be missing or half-made
             for rank in job.targets:
                 for name in names_assigned(code) | set(shipped):
@@ -300,7 +302,9 @@ class Pool:
             self._held[rank].update({n: m for n, m in marks.items() if m is not None})
             self._held[rank].update({n: m for n, m in bound.items() if m is not None})
 
-    def _ensure_alive(self) -> None:
+    def ensure_alive(self) -> None:
+        """Restart the ranks if one has died (the user is told).  Call before working out what to ship: fresh
+        ranks hold nothing."""
         if self.group is None:
             raise LaunchError("the warm pool was stopped; start one with %ddp_start")
         dead = sorted(set(range(self.spec.world_size)) - set(self.group.alive))

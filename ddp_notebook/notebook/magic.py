@@ -276,6 +276,7 @@ class DDPMagics(Magics):
             sources.texts[filename] = written
             sources.labels[filename] = f"Cell In[{number}]"
             if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name and source
+                warm.ensure_alive()  # ranks restarted now hold nothing: compare against those
                 pool_ranks = targets if targets is not None else list(range(spec.world_size))
                 names = warm.to_ship(names, pool_ranks)
                 sources = warm.sources_to_ship(sources, pool_ranks)

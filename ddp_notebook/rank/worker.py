@@ -284,7 +284,8 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()
-        failure = failure_report(exc, payload.installed_labels(), kind="interrupted" if isinstance(exc, KeyboardInterrupt) else None)
+        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else None
+        failure = failure_report(exc, payload.installed_labels(), kind=kind)
         failure["task"] = task_id
         if sender is not None:
             _report_failure(sender, failure)

@@ -47,7 +47,8 @@ class ChannelServer:
             except OSError:
                 return  # listener shut down
             sock.setblocking(True)
-            _send_at_once(sock)
+            with contextlib.suppress(OSError):  # a peer gone already: its handshake fails below
+                _send_at_once(sock)
             conn = Connection(sock.detach())
             thread = threading.Thread(target=self._handshake, args=(conn,), name="ddp-channel-auth", daemon=True)
             with self._lock:
@@ -115,9 +116,15 @@ def _send_at_once(sock: socket.socket) -> None:
 def connect(address: tuple[str, int], key: bytes, timeout: float | None = None) -> Connection:
     """Rank side: connect to the notebook's channel (giving up after ``timeout`` seconds when it is given: a
     firewall may drop the attempt without an answer)."""
-    sock = socket.create_connection(tuple(address), timeout=timeout)
-    sock.setblocking(True)  # Connection reads and writes the bare descriptor
-    _send_at_once(sock)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # IPv4, as the notebook listens (a hostname too)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(tuple(address))
+        sock.setblocking(True)  # Connection reads and writes the bare descriptor
+        _send_at_once(sock)
+    except BaseException:
+        sock.close()
+        raise
     conn = Connection(sock.detach())
     try:
         answer_challenge(conn, key)  # as multiprocessing.connection.Client does

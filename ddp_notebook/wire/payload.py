@@ -14,6 +14,7 @@ import builtins
 import functools
 import io
 import linecache
+import operator
 import os
 import pickle
 import sys
@@ -32,12 +33,12 @@ RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 # Names IPython keeps in the user namespace that a cell never means to ship.
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh", "_ii", "_iii", "_i"}
 
-_FUTURE_FLAGS = 0
-for _feature in __future__.all_feature_names:
-    _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+_FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, name).compiler_flag
+                                                 for name in __future__.all_feature_names))
 
-# The labels ("Cell In[3]") of every cell source installed in this process, for its tracebacks: a warm pool's
-# rank is sent a cell's source once, and later tasks refer to it.
+# Every cell source installed in this process (its linecache entry) and its label ("Cell In[3]"), for its
+# tracebacks: a warm pool's rank is sent a cell's source once, and later tasks refer to it.
+_installed_sources: dict[str, tuple] = {}
 _installed_labels: dict[str, str] = {}
 
 
@@ -47,7 +48,10 @@ def future_features(compiler_flags: int) -> int:
 
 
 def installed_labels() -> dict[str, str]:
-    """Rank side: the labels of every cell source this process has installed so far."""
+    """Rank side, before showing a traceback: the labels of every cell source this process has installed.  The
+    sources go back into linecache where something cleared it (``linecache.clearcache()``: profilers, debuggers)."""
+    for filename, entry in _installed_sources.items():
+        linecache.cache.setdefault(filename, entry)
     return _installed_labels
 
 
@@ -60,7 +64,8 @@ class Sources:
 
     def install(self) -> None:
         for filename, text in self.texts.items():
-            linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+            linecache.cache[filename] = _installed_sources[filename] = (len(text), None, text.splitlines(True),
+                                                                        filename)
         _installed_labels.update(self.labels)
 
 

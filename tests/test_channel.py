@@ -1,5 +1,6 @@
 """The notebook-rank channel: authenticated, and every message goes out whole at once."""
 import os
+import select
 import socket
 import time
 
@@ -40,5 +41,24 @@ def test_both_ends_send_without_nagle_and_messages_around_the_split_arrive_whole
             assert notebook_side.recv() == ("result", body)
         rank_side.close()
         notebook_side.close()
+    finally:
+        server.close()
+
+
+def test_the_server_is_readable_while_connections_wait_to_be_taken():
+    # A job waits on the server with its connections, so a rank's hello is read as it connects, not at the next
+    # timeout of the wait.
+    server = ChannelServer()
+    try:
+        assert select.select([server], [], [], 0)[0] == []
+        first = connect(server.address, server.key)
+        assert select.select([server], [], [], 10)[0] == [server]
+        taken = _accepted(server)
+        assert select.select([server], [], [], 0)[0] == []  # taken: nothing waits
+        second = connect(server.address, server.key)
+        assert select.select([server], [], [], 10)[0] == [server]
+        assert server.new_connections() != [] or _accepted(server)
+        for conn in (first, second, taken):
+            conn.close()
     finally:
         server.close()

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _what_a_rank_sees():
     import os
+    import signal
     import sys
 
     import psutil
@@ -37,6 +38,9 @@ def _what_a_rank_sees():
         "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "cuda_initialized": torch.cuda.is_initialized(),
         "cmdline": psutil.Process().cmdline(), "argv0": sys.argv[0],
         "tag": psutil.Process().environ().get("DDP_NOTEBOOK_TEST_TAG"),  # what the leak checks find ranks by
+        # the template's own handling of its children's ends is not a rank's
+        "signals": {sig.name: repr(signal.getsignal(sig)) for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE)},
+        "wakeup_fd": signal.set_wakeup_fd(-1),
     }
 
 
@@ -65,6 +69,7 @@ def test_a_forked_rank_takes_the_session_environment_directory_and_path_of_now(t
         assert rank_saw["threads"] == int(rank_saw["omp"])
         assert rank_saw["cuda_initialized"] is False
         assert rank_saw["tag"] == os.environ["DDP_NOTEBOOK_TEST_TAG"]
+        assert rank_saw["signals"]["SIGCHLD"] == repr(signal.SIG_DFL) and rank_saw["wakeup_fd"] == -1
         # It reads as a fresh rank does, to ps and to anything that looks for ranks by their command line.
         assert " ".join(rank_saw["cmdline"]).split()[1:] == ["-m", "ddp_notebook.rank.worker"]
         assert rank_saw["argv0"].endswith(os.path.join("rank", "worker.py"))

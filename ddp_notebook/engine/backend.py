@@ -151,6 +151,13 @@ def _readable(conn) -> bool:
     return bool(poller.poll(0))
 
 
+def _exit_fd(proc) -> int | None:
+    """A descriptor that becomes readable when the process ends, where it has one (a rank forked by the template:
+    its status pipe); else None, and only polling tells."""
+    exit_fd = getattr(proc, "exit_fd", None)
+    return exit_fd() if exit_fd is not None else None
+
+
 def signal_name(code: int) -> str:
     """SIGKILL for -9: the name of the signal a negative exit code stands for."""
     try:
@@ -234,27 +241,34 @@ class ChannelRanks(RankBackend):
         self.take_new_connections()
         ready = self._ready(timeout)
         connected = len(self.connections)
+        exited = False
         for obj in ready:
             if isinstance(obj, int):
                 self.read_output(obj)
+            elif obj is self.channel:
+                self.take_new_connections()
+            elif obj in self.procs:
+                exited = True
             else:
                 self.read_connection(obj, drain=False)
         self.relay.maybe_flush()
         now = time.monotonic()
         # Ranks' exits: a process poll per rank, so not in every pump while messages flow.
-        if not ready or len(self.connections) < connected or now - self._exits_checked >= _EXITS_EVERY_S:
+        if not ready or exited or len(self.connections) < connected or now - self._exits_checked >= _EXITS_EVERY_S:
             self._exits_checked = now
             self.check_exits()
 
     def _ready(self, timeout: float) -> list:
-        """The connections and pipes with something to read (or closed), waiting up to ``timeout`` seconds: what
+        """What has something to read (or closed), waiting up to ``timeout`` seconds: connections, output pipes,
+        the channel (a rank connected) and processes that tell their end by a descriptor (``exit_fd()``).  What
         ``multiprocessing.connection.wait`` answers, with one poll object kept while the set stays the same
         rather than a selector built for every call."""
-        watched = (*self.connections, *self.pipes)
+        ended = [proc for rank, proc in enumerate(self.procs) if rank not in self.exited and _exit_fd(proc) is not None]
+        watched = (*self.connections, *self.pipes, *([self.channel] if self.channel is not None else []), *ended)
         if self._poller is None or self._poller[0] != watched:
             poller, objects = select.poll(), {}
             for obj in watched:
-                fd = obj if isinstance(obj, int) else obj.fileno()
+                fd = obj if isinstance(obj, int) else _exit_fd(obj) if obj in ended else obj.fileno()
                 poller.register(fd, select.POLLIN)
                 objects[fd] = obj
             self._poller = (watched, poller, objects)

@@ -101,6 +101,10 @@ class ForkedProcess:
         self._status: int | None = status
         self._lifeline: int | None = lifeline
 
+    def exit_fd(self) -> int | None:
+        """Readable once the rank has ended and the template has written its status (None once that is read)."""
+        return self._status
+
     def poll(self) -> int | None:
         if self.returncode is None and self._status is not None:
             ready, _, _ = select.select([self._status], [], [], 0)

@@ -25,13 +25,18 @@ import traceback
 RANK_TITLE = "-m ddp_notebook.rank.worker"  # a forked rank's command line reads as a fresh rank's
 
 
-def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses: dict[int, int]) -> int:
+def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses: dict[int, int],
+               wakeup: tuple[int, int]) -> int:
     pid = os.fork()
     if pid:
         return pid
     try:  # the rank: nothing here may return into the template's loop
         os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        for fd in wakeup:
+            os.close(fd)
         sock.close()
         for status in statuses.values():
             os.close(status)
@@ -63,6 +68,13 @@ def _set_title(title: str) -> None:
     except ImportError:  # the title is cosmetic: ps shows the template's
         return
     setproctitle.setproctitle(title)
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
 
 
 def _reap(statuses: dict[int, int]) -> None:
@@ -114,13 +126,22 @@ def main() -> None:
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
     _settle_heap()
     statuses: dict[int, int] = {}  # rank pid -> its status pipe
+    # A rank's end wakes the loop (a byte on this pipe), so its status reaches the notebook at once.
+    child_ended, wake = os.pipe()
+    os.set_blocking(child_ended, False)
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
     while True:
-        readable, _, _ = select.select([sock], [], [], 0.2)
+        readable, _, _ = select.select([sock, child_ended], [], [], 0.2)
+        if child_ended in readable:
+            while _read_some(child_ended):
+                pass
         _reap(statuses)
         if os.getppid() != parent:
             break  # the notebook is gone
-        if not readable:
+        if sock not in readable:
             continue
         try:
             received = forking.receive(sock)
@@ -132,7 +153,7 @@ def main() -> None:
         if request["kind"] == forking.STOP:
             break
         try:
-            pid = _fork_rank(sock, request, dict(fds), statuses)
+            pid = _fork_rank(sock, request, dict(fds), statuses, (child_ended, wake))
         except OSError as exc:
             os.close(fds.pop("status"))
             forking.send(sock, {"kind": forking.FORKED, "error": str(exc)})

@@ -37,6 +37,10 @@ class ChannelServer:
         self._handshaking: dict[Connection, threading.Thread] = {}
         self._lock = threading.Lock()  # a connection leaves _handshaking before its thread closes it
         self._closed = False
+        # A byte per connection queued: whoever waits for messages can wait on this too (``fileno()``).
+        self._wakeup_read, self._wakeup_write = os.pipe()
+        os.set_blocking(self._wakeup_read, False)
+        os.set_blocking(self._wakeup_write, False)
         self._thread = threading.Thread(target=self._accept_loop, name="ddp-channel-accept", daemon=True)
         self._thread.start()
 
@@ -71,9 +75,18 @@ class ChannelServer:
             conn.close()
         else:
             self._accepted.put(conn)
+            with contextlib.suppress(OSError):  # full (many waiting already) or closed: no byte is needed
+                os.write(self._wakeup_write, b"\0")
+
+    def fileno(self) -> int:
+        """Readable while authenticated connections wait to be taken (:meth:`new_connections`)."""
+        return self._wakeup_read
 
     def new_connections(self) -> list[Connection]:
         """Connections accepted since the last call."""
+        with contextlib.suppress(OSError):  # emptied first: a connection queued after this leaves a byte
+            while os.read(self._wakeup_read, 4096):
+                pass
         conns = []
         while True:
             try:
@@ -104,6 +117,9 @@ class ChannelServer:
             thread.join(timeout)
         for conn in self.new_connections():
             conn.close()
+        for fd in (self._wakeup_read, self._wakeup_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _send_at_once(sock: socket.socket) -> None:

@@ -57,8 +57,42 @@ def test_the_server_is_readable_while_connections_wait_to_be_taken():
         assert select.select([server], [], [], 0)[0] == []  # taken: nothing waits
         second = connect(server.address, server.key)
         assert select.select([server], [], [], 10)[0] == [server]
-        assert server.new_connections() != [] or _accepted(server)
-        for conn in (first, second, taken):
+        taken_second = _accepted(server)
+        for conn in (first, second, taken, taken_second):
             conn.close()
     finally:
         server.close()
+    server.close()  # again: nothing left to close, and no descriptor of someone else's touched
+    assert server.fileno() == -1 and server.new_connections() == []
+
+
+def test_a_handshake_that_ends_as_the_server_closes_keeps_its_byte_out_of_reused_descriptors(monkeypatch):
+    # The handshake thread queues a connection and writes a wake-up byte; close() must not close the wake-up pipe
+    # between the two, or the byte lands in whatever descriptor took its number.
+    import queue
+    import threading
+
+    server = ChannelServer()
+    slow_put = threading.Event()
+
+    class SlowQueue(queue.Queue):
+        def put(self, item, *args, **kwargs):
+            slow_put.set()
+            time.sleep(0.5)
+            super().put(item, *args, **kwargs)
+
+    server._accepted = SlowQueue()
+    rank_side = connect(server.address, server.key)
+    assert slow_put.wait(10)
+    server.close()
+    others = [os.pipe() for _ in range(4)]  # they may take the wake-up pipe's numbers
+    try:
+        time.sleep(0.7)
+        for read_end, _ in others:
+            assert select.select([read_end], [], [], 0)[0] == []  # no stray byte
+        assert server.new_connections() == []  # the connection was closed, not left queued
+    finally:
+        rank_side.close()
+        for pair in others:
+            for fd in pair:
+                os.close(fd)

@@ -151,6 +151,11 @@ def _readable(conn) -> bool:
     return bool(poller.poll(0))
 
 
+class _Ended(int):
+    """A process's exit descriptor in the poll set (:func:`_exit_fd`): readable, a rank has ended.  An int, so that
+    an unchanged set compares equal and keeps its poll object."""
+
+
 def _exit_fd(proc) -> int | None:
     """A descriptor that becomes readable when the process ends, where it has one (a rank forked by the template:
     its status pipe); else None, and only polling tells."""
@@ -243,12 +248,14 @@ class ChannelRanks(RankBackend):
         connected = len(self.connections)
         exited = False
         for obj in ready:
-            if isinstance(obj, int):
+            if isinstance(obj, _Ended):
+                exited = True
+            elif isinstance(obj, int):
                 self.read_output(obj)
             elif obj is self.channel:
+                before = len(self.connections)
                 self.take_new_connections()
-            elif obj in self.procs:
-                exited = True
+                connected += len(self.connections) - before
             else:
                 self.read_connection(obj, drain=False)
         self.relay.maybe_flush()
@@ -263,12 +270,13 @@ class ChannelRanks(RankBackend):
         the channel (a rank connected) and processes that tell their end by a descriptor (``exit_fd()``).  What
         ``multiprocessing.connection.wait`` answers, with one poll object kept while the set stays the same
         rather than a selector built for every call."""
-        ended = [proc for rank, proc in enumerate(self.procs) if rank not in self.exited and _exit_fd(proc) is not None]
+        ended = [_Ended(fd) for rank, proc in enumerate(self.procs)  # each descriptor read once: another thread's
+                 if rank not in self.exited and (fd := _exit_fd(proc)) is not None]  # poll() may close it
         watched = (*self.connections, *self.pipes, *([self.channel] if self.channel is not None else []), *ended)
         if self._poller is None or self._poller[0] != watched:
             poller, objects = select.poll(), {}
             for obj in watched:
-                fd = obj if isinstance(obj, int) else _exit_fd(obj) if obj in ended else obj.fileno()
+                fd = obj if isinstance(obj, int) else obj.fileno()
                 poller.register(fd, select.POLLIN)
                 objects[fd] = obj
             self._poller = (watched, poller, objects)

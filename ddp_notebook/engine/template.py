@@ -100,20 +100,22 @@ class ForkedProcess:
         self.returncode: int | None = None
         self._status: int | None = status
         self._lifeline: int | None = lifeline
+        self._reading = threading.Lock()
 
     def exit_fd(self) -> int | None:
         """Readable once the rank has ended and the template has written its status (None once that is read)."""
         return self._status
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._status is not None:
-            ready, _, _ = select.select([self._status], [], [], 0)
-            if ready:
-                data = os.read(self._status, 4)
-                os.close(self._status)
-                self._status = None
-                if len(data) == 4:
-                    self.returncode = struct.unpack("!i", data)[0]
+        with self._reading:  # the job's thread and the notebook's (alive, stacks) may both ask
+            if self.returncode is None and self._status is not None:
+                ready, _, _ = select.select([self._status], [], [], 0)
+                if ready:
+                    data = os.read(self._status, 4)
+                    os.close(self._status)
+                    self._status = None
+                    if len(data) == 4:
+                        self.returncode = struct.unpack("!i", data)[0]
         if self.returncode is None and self._status is None:  # the template died first: ask the system
             try:
                 os.kill(self.pid, 0)
@@ -134,11 +136,12 @@ class ForkedProcess:
 
     def close(self) -> None:
         """Let go of the rank: its lifeline (the rank ends if still running) and its status pipe."""
-        for name in ("_lifeline", "_status"):
-            fd = getattr(self, name)
-            if fd is not None:
-                os.close(fd)
-                setattr(self, name, None)
+        with self._reading:
+            for name in ("_lifeline", "_status"):
+                fd = getattr(self, name)
+                if fd is not None:
+                    os.close(fd)
+                    setattr(self, name, None)
 
 
 class Template:

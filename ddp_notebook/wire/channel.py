@@ -66,37 +66,40 @@ class ChannelServer:
             ok = True
         except Exception:  # wrong key, garbage, a peer that hung up, or close()
             ok = False
-        with self._lock:
+        with self._lock:  # close() closes the wake-up pipe under the lock: no byte can go to a reused descriptor
             self._handshaking.pop(conn, None)
+            kept = ok and not self._closed
+            if kept:
+                self._accepted.put(conn)
+                with contextlib.suppress(OSError):  # full (many waiting already): no byte is needed
+                    os.write(self._wakeup_write, b"\0")
         if not ok:
             self.refused += 1
+        if not kept:
             conn.close()
-        elif self._closed:
-            conn.close()
-        else:
-            self._accepted.put(conn)
-            with contextlib.suppress(OSError):  # full (many waiting already) or closed: no byte is needed
-                os.write(self._wakeup_write, b"\0")
 
     def fileno(self) -> int:
-        """Readable while authenticated connections wait to be taken (:meth:`new_connections`)."""
+        """Readable while authenticated connections wait to be taken (:meth:`new_connections`); -1 once closed."""
         return self._wakeup_read
 
     def new_connections(self) -> list[Connection]:
         """Connections accepted since the last call."""
-        with contextlib.suppress(OSError):  # emptied first: a connection queued after this leaves a byte
-            while os.read(self._wakeup_read, 4096):
-                pass
-        conns = []
-        while True:
-            try:
-                conns.append(self._accepted.get_nowait())
-            except queue.Empty:
-                return conns
+        with self._lock:
+            if self._wakeup_read >= 0:
+                with contextlib.suppress(OSError):  # emptied first: a connection queued after this leaves a byte
+                    while os.read(self._wakeup_read, 4096):
+                        pass
+            conns = []
+            while True:
+                try:
+                    conns.append(self._accepted.get_nowait())
+                except queue.Empty:
+                    return conns
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop listening, end the server's threads and close the connections nobody took."""
-        self._closed = True
+        """Stop listening, end the server's threads and close the connections nobody took (again: nothing)."""
+        with self._lock:
+            self._closed = True
         # Closing alone would not wake a thread blocked in accept(): the port
         # would go on listening, with no fd left, for as long as the process.
         try:
@@ -117,8 +120,11 @@ class ChannelServer:
             thread.join(timeout)
         for conn in self.new_connections():
             conn.close()
-        for fd in (self._wakeup_read, self._wakeup_write):
-            with contextlib.suppress(OSError):
+        with self._lock:
+            wakeup = (self._wakeup_read, self._wakeup_write)
+            self._wakeup_read = self._wakeup_write = -1
+        for fd in wakeup:
+            if fd >= 0:
                 os.close(fd)
 
 

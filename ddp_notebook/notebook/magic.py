@@ -273,7 +273,7 @@ class DDPMagics(Magics):
             written = f"%%ddp {line}\n{cell}"
             payload.hold_cell_text(filename, written)  # IPython holds the transformed call
             sources = payload.notebook_sources()
-            sources.texts[filename] = written
+            sources.texts[filename] = written  # also where the sources' size limit left it out
             sources.labels[filename] = f"Cell In[{number}]"
             if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name and source
                 warm.ensure_alive()  # ranks restarted now hold nothing: compare against those

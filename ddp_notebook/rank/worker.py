@@ -285,7 +285,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.clear()
         kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else None
-        failure = failure_report(exc, payload.installed_labels(), kind=kind)
+        failure = failure_report(exc, payload.traceback_labels(), kind=kind)
         failure["task"] = task_id
         if sender is not None:
             _report_failure(sender, failure)

@@ -47,9 +47,10 @@ def future_features(compiler_flags: int) -> int:
     return compiler_flags & _FUTURE_FLAGS
 
 
-def installed_labels() -> dict[str, str]:
-    """Rank side, before showing a traceback: the labels of every cell source this process has installed.  The
-    sources go back into linecache where something cleared it (``linecache.clearcache()``: profilers, debuggers)."""
+def traceback_labels() -> dict[str, str]:
+    """Rank side, before formatting a traceback: put every cell source this process has installed back into
+    linecache where something cleared it (``linecache.clearcache()``: profilers, debuggers), and give their
+    labels."""
     for filename, entry in _installed_sources.items():
         linecache.cache.setdefault(filename, entry)
     return _installed_labels

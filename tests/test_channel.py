@@ -96,3 +96,31 @@ def test_a_handshake_that_ends_as_the_server_closes_keeps_its_byte_out_of_reused
         for pair in others:
             for fd in pair:
                 os.close(fd)
+
+
+def test_wait_closed_returns_when_the_peer_closes_and_leaves_its_messages_to_be_read():
+    import threading
+
+    from ddp_notebook.wire.channel import readable, wait_closed
+
+    server = ChannelServer()
+    try:
+        rank_side = connect(server.address, server.key)
+        notebook_side = _accepted(server)
+        closed = threading.Event()
+        watcher = threading.Thread(target=lambda: (wait_closed(rank_side), closed.set()), daemon=True)
+        watcher.start()
+        notebook_side.send(("run", {"task": 1}))
+        time.sleep(0.3)
+        assert not closed.is_set()  # a message does not wake it ...
+        assert readable(rank_side) and rank_side.recv() == ("run", {"task": 1})  # ... nor take it
+        assert not readable(rank_side)
+        notebook_side.send(("stop", {"task": 1}))
+        notebook_side.close()
+        assert closed.wait(10)
+        assert rank_side.recv() == ("stop", {"task": 1})  # what came before the close is still there
+        with pytest.raises(EOFError):
+            rank_side.recv()
+        rank_side.close()
+    finally:
+        server.close()

@@ -271,3 +271,33 @@ def test_a_timeout_shows_where_the_ranks_that_did_not_time_out_were(no_leftovers
         ddp_notebook.launch(_skips_the_collective, cpus=2, timeout=3)
     assert re.search(r"where the other ranks were:\nrank 0: _skips_the_collective \(test_stopping.py:\d+\)",
                      str(info.value)), str(info.value)
+
+
+def test_a_ranks_inbox_counts_a_stop_at_a_boundary_and_keeps_the_other_messages_in_order(monkeypatch):
+    # The rank's main thread reads its messages itself: between tasks it waits for the next one; during a task a
+    # boundary reads what has arrived, where only a stop request counts at once.
+    from multiprocessing import Pipe
+
+    from ddp_notebook.rank import stopping, worker
+    from ddp_notebook.wire import protocol
+
+    asked = []
+    monkeypatch.setattr(stopping, "request", asked.append)
+    notebook, rank = Pipe()
+    inbox = worker.Inbox(rank)
+    notebook.send((protocol.RUN, {"task": 1}))
+    assert inbox.next() == (protocol.RUN, {"task": 1})
+    inbox.take_waiting()  # nothing has arrived: it does not wait
+    assert asked == []
+    notebook.send((protocol.SYNC, {"task": 1}))
+    notebook.send((protocol.STOP, {"task": 1}))
+    notebook.send((protocol.EXIT, {}))
+    deadline = time.monotonic() + 10
+    while not rank.poll() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    inbox.take_waiting()
+    assert asked == [1]
+    assert inbox.next() == (protocol.SYNC, {"task": 1})
+    assert inbox.next() == (protocol.EXIT, {})
+    notebook.send((protocol.RUN, {"task": 2}))
+    assert inbox.next() == (protocol.RUN, {"task": 2})

@@ -27,7 +27,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
-from ..wire.channel import ChannelServer, whole_message
+from ..wire.channel import ChannelServer, readable, whole_message
 from .output import OutputRelay
 
 log = logging.getLogger("ddp_notebook")
@@ -142,13 +142,6 @@ class RankBackend(abc.ABC):
         elif code == -signal.SIGSEGV:
             how += " (segmentation fault)"
         return f"rank {rank} {how} without reporting an error"
-
-
-def _readable(conn) -> bool:
-    """``conn.poll()`` (something to read, or the peer gone) without the selector it builds for each call."""
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
 
 
 class _Ended(int):
@@ -324,7 +317,7 @@ class ChannelRanks(RankBackend):
         there (whether more wait, the next poll of every connection tells: each extra call may hand off the
         GIL, which costs a cell of the warm pool when the kernel's own threads are busy)."""
         try:
-            while not drain or _readable(conn):
+            while not drain or readable(conn):
                 with whole_message():
                     kind, body = conn.recv()
                 self._take(conn, kind, body)

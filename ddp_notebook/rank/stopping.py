@@ -1,13 +1,14 @@
 """Rank side of a graceful stop: every rank agrees to stop at the same batch boundary.
 
-The notebook sends ``STOP``; the rank's receiving thread marks the task (:func:`request`).  At each boundary
-(each batch of a ``distributed_loader``, each :func:`should_stop` call) every rank takes part in one small
-all-reduce of its mark, so all of them see the stop at the same boundary and no collective is left waiting.
+The notebook sends ``STOP``; at each boundary (each batch of a ``distributed_loader``, each :func:`should_stop`
+call) the rank reads what has arrived (:func:`set_poll`), which marks the task (:func:`request`), and every rank
+takes part in one small all-reduce of its mark, so all of them see the stop at the same boundary and no collective is left waiting.
 Under torchrun, with no notebook to ask for a stop, nothing is exchanged.
 """
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from ..wire import protocol
 from ..wire.errors import TrainingStopped
@@ -15,10 +16,18 @@ from . import context
 
 _requested: set = set()  # task ids the notebook asked to stop
 _lock = threading.Lock()
+_poll: Callable[[], None] | None = None
+
+
+def set_poll(poll: Callable[[], None] | None) -> None:
+    """``poll()`` reads the notebook's messages that have arrived during a task (calling :func:`request` for a stop
+    request), without waiting; every boundary calls it."""
+    global _poll
+    _poll = poll
 
 
 def request(task_id) -> None:
-    """The notebook asks the task to stop (called on the rank's receiving thread)."""
+    """The notebook asks the task to stop."""
     with _lock:
         _requested.add(task_id)
 
@@ -63,6 +72,8 @@ def _agree(ctx, state: _State) -> bool:
     import torch.distributed as dist
 
     announce()
+    if _poll is not None:
+        _poll()
     with _lock:
         mine = state.task_id in _requested
     if not (dist.is_available() and dist.is_initialized()):

@@ -8,6 +8,7 @@ hold a GPU.  Rank side: no IPython, ipywidgets or matplotlib here.
 """
 from __future__ import annotations
 
+import collections
 import faulthandler
 import io
 import json
@@ -17,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import queue
 
 from ..wire import protocol
 from ..wire import channel
@@ -48,19 +48,51 @@ def _watch_parent(parent_pid: int) -> None:
             _die_with_group()
 
 
-def _receive_tasks(conn, tasks: "queue.Queue") -> None:
-    while True:
+def _die_when_closed(conn) -> None:
+    channel.wait_closed(conn)
+    _die_with_group()
+
+
+class Inbox:
+    """The notebook's messages to this rank, read on the rank's main thread.
+
+    Between tasks the main thread waits here for the next message, so a warm pool's task starts as soon as it
+    arrives (no hand-over from a receiving thread).  During a task, what arrives is read at each batch boundary
+    (:func:`stopping.at_boundary` calls :meth:`take_waiting`): a stop request counts at once, the rest waits for
+    the task's end.  A closed connection ends the rank, whenever it happens (:func:`_die_when_closed`).
+    """
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._later: collections.deque = collections.deque()
+        self._reading = threading.Lock()  # a cell's own thread may call should_stop() too
+
+    def next(self) -> tuple:
+        """The next message, waiting for it."""
+        with self._reading:
+            return self._later.popleft() if self._later else self._receive()
+
+    def take_waiting(self) -> None:
+        """Read the messages that have arrived, without waiting for more."""
+        if not self._reading.acquire(blocking=False):
+            return  # another thread reads: it sees them
         try:
-            msg = conn.recv()
+            while channel.readable(self._conn):
+                message = self._receive()
+                if message[0] == protocol.STOP:
+                    stopping.request(message[1]["task"])
+                else:
+                    self._later.append(message)
+        finally:
+            self._reading.release()
+
+    def _receive(self) -> tuple:
+        try:
+            with channel.whole_message():  # an interrupt during a task waits until the message is read whole
+                return self._conn.recv()
         except (EOFError, OSError):
             _die_with_group()
-            return
-        if msg[0] == protocol.STOP:  # now, while the main thread runs the task
-            stopping.request(msg[1]["task"])
-            continue
-        tasks.put(msg)
-        if msg[0] == protocol.EXIT:
-            return
+            raise
 
 
 def _seed_everything(seed: int) -> None:
@@ -374,8 +406,9 @@ def serve(boot: dict) -> None:
     context.set_current(ctx)
     display.install()
     sender.send(protocol.HELLO, {"rank": ctx.rank, "pid": os.getpid()})
-    tasks: queue.Queue = queue.Queue()
-    threading.Thread(target=_receive_tasks, args=(conn, tasks), name="ddp-channel-recv", daemon=True).start()
+    inbox = Inbox(conn)
+    stopping.set_poll(inbox.take_waiting)
+    threading.Thread(target=_die_when_closed, args=(conn,), name="ddp-channel-watch", daemon=True).start()
 
     try:
         _init_process_group(boot, ctx)
@@ -394,9 +427,12 @@ def serve(boot: dict) -> None:
 
     signal.signal(signal.SIGINT, interrupt)
     while True:
-        kind, body = tasks.get()
+        kind, body = inbox.next()
         if kind == protocol.EXIT:
             break
+        if kind == protocol.STOP:  # (one read at a batch boundary counts there)
+            stopping.request(body["task"])
+            continue
         if kind == protocol.SYNC:
             _sync(ctx, sender, body)
             continue

@@ -12,6 +12,7 @@ import contextlib
 import os
 import queue
 import secrets
+import select
 import signal
 import socket
 import threading
@@ -133,6 +134,26 @@ def _send_at_once(sock: socket.socket) -> None:
     and with Nagle's algorithm the second waits for the peer's ACK of the first, which the peer delays by up to
     40 ms."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def readable(conn: Connection) -> bool:
+    """``conn.poll()`` (something to read, or the peer gone) without the selector it builds for each call."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def wait_closed(conn: Connection) -> None:
+    """Block until the peer has closed the connection.  Unlike a read, this never takes the peer's messages and
+    never wakes for them (POLLRDHUP only), so another thread may read them meanwhile."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLRDHUP)
+    while True:
+        try:
+            if poller.poll():
+                return
+        except InterruptedError:  # (before PEP 475's retry)
+            continue
 
 
 def connect(address: tuple[str, int], key: bytes, timeout: float | None = None) -> Connection:

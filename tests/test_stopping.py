@@ -301,3 +301,44 @@ def test_a_ranks_inbox_counts_a_stop_at_a_boundary_and_keeps_the_other_messages_
     assert inbox.next() == (protocol.EXIT, {})
     notebook.send((protocol.RUN, {"task": 2}))
     assert inbox.next() == (protocol.RUN, {"task": 2})
+
+
+def test_an_interrupt_while_the_inbox_reads_at_a_boundary_loses_no_message(monkeypatch):
+    # The interrupt (a cell's hard stop) is raised once what was read is kept and the inbox is free again.
+    import os
+    import signal
+    from multiprocessing import Pipe
+
+    from ddp_notebook.rank import stopping, worker
+    from ddp_notebook.wire import protocol
+
+    asked = []
+    monkeypatch.setattr(stopping, "request", asked.append)
+    notebook, rank = Pipe()
+
+    class InterruptedWhileReading:  # the rank's connection; SIGINT arrives in the middle of each read
+        def __getattr__(self, name):
+            return getattr(rank, name)
+
+        def recv(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return rank.recv()
+
+    def interrupt(signum, frame):  # the rank's handler while a task runs
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        inbox = worker.Inbox(InterruptedWhileReading())
+        notebook.send((protocol.STOP, {"task": 4}))
+        notebook.send((protocol.SYNC, {"task": 4}))
+        deadline = time.monotonic() + 10
+        while not rank.poll() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(KeyboardInterrupt):
+            inbox.take_waiting()
+        assert asked == [4]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert inbox.next() == (protocol.SYNC, {"task": 4})
+    finally:
+        signal.signal(signal.SIGINT, previous)

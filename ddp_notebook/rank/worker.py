@@ -48,9 +48,13 @@ def _watch_parent(parent_pid: int) -> None:
             _die_with_group()
 
 
+_leaving = threading.Event()  # the rank closes its connection itself as it exits
+
+
 def _die_when_closed(conn) -> None:
     channel.wait_closed(conn)
-    _die_with_group()
+    if not _leaving.is_set():
+        _die_with_group()
 
 
 class Inbox:
@@ -74,21 +78,25 @@ class Inbox:
 
     def take_waiting(self) -> None:
         """Read the messages that have arrived, without waiting for more."""
-        if not self._reading.acquire(blocking=False):
-            return  # another thread reads: it sees them
-        try:
-            while channel.readable(self._conn):
-                message = self._receive()
-                if message[0] == protocol.STOP:
-                    stopping.request(message[1]["task"])
-                else:
-                    self._later.append(message)
-        finally:
-            self._reading.release()
+        if not channel.readable(self._conn):
+            return
+        # An interrupt (the task is interruptible here) waits until what was read is kept and the lock let go.
+        with channel.whole_message():
+            if not self._reading.acquire(blocking=False):
+                return  # another thread reads: it sees them
+            try:
+                while channel.readable(self._conn):
+                    message = self._receive()
+                    if message[0] == protocol.STOP:
+                        stopping.request(message[1]["task"])
+                    else:
+                        self._later.append(message)
+            finally:
+                self._reading.release()
 
     def _receive(self) -> tuple:
         try:
-            with channel.whole_message():  # an interrupt during a task waits until the message is read whole
+            with channel.whole_message():  # an interrupt waits until the message is read whole
                 return self._conn.recv()
         except (EOFError, OSError):
             _die_with_group()
@@ -408,7 +416,8 @@ def serve(boot: dict) -> None:
     sender.send(protocol.HELLO, {"rank": ctx.rank, "pid": os.getpid()})
     inbox = Inbox(conn)
     stopping.set_poll(inbox.take_waiting)
-    threading.Thread(target=_die_when_closed, args=(conn,), name="ddp-channel-watch", daemon=True).start()
+    if channel.CAN_WAIT_CLOSED:  # (elsewhere the parent's or the lifeline's watch ends an orphan)
+        threading.Thread(target=_die_when_closed, args=(conn,), name="ddp-channel-watch", daemon=True).start()
 
     try:
         _init_process_group(boot, ctx)
@@ -452,6 +461,7 @@ def serve(boot: dict) -> None:
         pass
     sender.send(protocol.BYE, {})
     sender.flush()
+    _leaving.set()
     conn.close()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -143,9 +143,13 @@ def readable(conn: Connection) -> bool:
     return bool(poller.poll(0))
 
 
+CAN_WAIT_CLOSED = hasattr(select, "POLLRDHUP")  # Linux
+
+
 def wait_closed(conn: Connection) -> None:
-    """Block until the peer has closed the connection.  Unlike a read, this never takes the peer's messages and
-    never wakes for them (POLLRDHUP only), so another thread may read them meanwhile."""
+    """Block until the peer has closed the connection (Linux: :data:`CAN_WAIT_CLOSED`).  Unlike a read, this
+    never takes the peer's messages and never wakes for them (POLLRDHUP only), so another thread may read them
+    meanwhile."""
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLRDHUP)
     while True:

@@ -14,7 +14,7 @@ from typing import Any
 RUN = "run"  # {task, data | path, seed, attempt}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts)
 SYNC = "sync"  # {task, timeout, check_timeout}: a warm pool's barrier and process-group check after an interrupt
 EXIT = "exit"  # {}: leave cleanly
-STOP = "stop"  # {task}: stop gracefully at the next batch boundary (handled by the rank's receiving thread)
+STOP = "stop"  # {task}: stop gracefully at the next batch boundary (the rank reads it there)
 
 # A rank to the notebook
 HELLO = "hello"  # {rank, pid[, node, host]}: the first message on a connection

@@ -124,3 +124,42 @@ def test_wait_closed_returns_when_the_peer_closes_and_leaves_its_messages_to_be_
         rank_side.close()
     finally:
         server.close()
+
+
+def test_send_together_delivers_each_message_whole_as_send_bytes_does():
+    # Small messages go out with the GIL kept; one a socket does not take at once is finished the usual way.
+    import threading
+
+    from ddp_notebook.wire.channel import send_together
+
+    server = ChannelServer()
+    try:
+        ranks = [connect(server.address, server.key) for _ in range(2)]
+        notebook = [_accepted(server) for _ in ranks]
+        messages = [b"", b"x", os.urandom(1000), os.urandom(16384), os.urandom(16385), os.urandom(300_000)]
+        for data in messages:
+            assert send_together(notebook, data) == []
+            assert [r.recv_bytes() for r in ranks] == [data, data]
+        # A socket with a full buffer: the first message is partly taken, the next not at all; both arrive whole.
+        with socket.socket(fileno=os.dup(notebook[0].fileno())) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        got = []
+        reader = threading.Timer(0.3, lambda: got.extend(ranks[0].recv_bytes() for _ in range(40)))
+        reader.start()
+        sent = [os.urandom(16000) for _ in range(40)]
+        for data in sent:
+            assert send_together(notebook[:1], data) == []
+        reader.join(30)
+        assert got == sent
+        ranks[1].close()  # a rank gone: its send fails, the others' do not
+        time.sleep(0.1)
+        failed = []
+        for _ in range(3):  # (the first write to a closed peer may still succeed)
+            failed = send_together(notebook, b"after")
+            if failed:
+                break
+            time.sleep(0.1)
+        assert failed == [notebook[1]]
+        assert ranks[0].recv_bytes() == b"after"
+    finally:
+        server.close()

@@ -27,7 +27,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
-from ..wire.channel import ChannelServer, readable, whole_message
+from ..wire.channel import ChannelServer, readable, send_together, whole_message
 from .output import OutputRelay
 
 log = logging.getLogger("ddp_notebook")
@@ -210,15 +210,12 @@ class ChannelRanks(RankBackend):
         """Pickled once for all of them (a cell's task goes to every rank); queued for a rank not connected yet."""
         data = ForkingPickler.dumps(message)
         by_rank = {r: conn for conn, r in self.connections.items() if r >= 0}
+        for rank in ranks:
+            if rank not in by_rank:
+                self._queued.setdefault(rank, []).append(message)
         with whole_message():
-            for rank in ranks:
-                if rank not in by_rank:
-                    self._queued.setdefault(rank, []).append(message)
-                    continue
-                try:
-                    by_rank[rank].send_bytes(data)
-                except OSError:
-                    pass  # its exit tells the rest
+            send_together([by_rank[rank] for rank in ranks if rank in by_rank], bytes(data))  # a failed send: the
+            # rank's exit tells the rest
 
     def signal(self, ranks, sig: int) -> None:
         """Send ``sig`` to these ranks' processes."""

@@ -76,6 +76,9 @@ def test_cells_reading_undefined_names_are_refused_at_export_and_launch(tmp_path
         "    report(epoch=epoch, loss=float(rank))\nprint('ran on', rank, 'of', world_size)",
         "print(type(m).__name__, type(opt).__name__)",
         f"%%ddp --export {tmp_path / 'good.py'}\nfrom ddp_notebook import report\nreport(epoch=1, loss=1.0)",
+        "n = 2\nonly = '--output 0'",
+        # IPython's $name and {expression} in the flags (the magic expands them itself)
+        "%%ddp --cpus $n --seed {n + 5} $only\nimport random\nprint('drew', world_size, random.random())",
     ], cwd=str(tmp_path))
     c = nb.cells
     refused_export, refused_launch = text(c[1]), text(c[2])
@@ -91,6 +94,10 @@ def test_cells_reading_undefined_names_are_refused_at_export_and_launch(tmp_path
     assert "IPython" not in ran and ".py:" not in ran
     assert text(c[5]) == "Linear SGD\n"
     assert error(c[6]) is None and (tmp_path / "good.py").exists()
+    import random
+
+    random.seed(7)
+    assert text(c[8]) == f"[rank 0] drew 2 {random.random()}\n"  # 2 ranks, seed 7, rank 0's output only
 
 
 @pytest.mark.slow

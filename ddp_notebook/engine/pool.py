@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import io
 import pickle
@@ -85,7 +86,8 @@ def fingerprint(value: Any) -> str | None:
     return hashlib.blake2b(buffer.getvalue(), digest_size=16).hexdigest()
 
 
-def names_assigned(code: str) -> set[str]:
+@functools.lru_cache(maxsize=16)
+def names_assigned(code: str) -> frozenset[str]:
     """Names a cell binds at its top level (assignments, imports, defs, classes, loop targets)."""
     assigned: set[str] = set()
 
@@ -104,7 +106,7 @@ def names_assigned(code: str) -> set[str]:
             visit(child)
 
     visit(payload.parsed(code))
-    return assigned
+    return frozenset(assigned)
 
 
 def _source_entries(sources: payload.Sources) -> dict[str, tuple[str | None, str | None]]:

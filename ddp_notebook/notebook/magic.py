@@ -12,11 +12,12 @@ import time
 import warnings
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from .. import api
+from ..engine import callbacks
 from ..engine import export as exporting
 from ..engine import job as engine_job
 from ..engine import pool as pool_module
@@ -29,8 +30,12 @@ from . import dashboard
 
 def parse_flags(magic, line: str):
     """The magic's flags; a list may have spaces after its commas: ``--return m, opt`` is ``--return m,opt``."""
-    args = _parsed_flags(magic, line)  # (a cell run again has the same line: parsed once)
-    return argparse.Namespace(**{k: list(v) if isinstance(v, list) else v for k, v in vars(args).items()})
+    args = argparse.Namespace()
+    args.__dict__.update(_parsed_flags(magic, line))  # (a cell run again has the same line: parsed once)
+    for name, value in args.__dict__.items():
+        if isinstance(value, list):
+            args.__dict__[name] = list(value)  # the cached lists stay as parsed
+    return args
 
 
 @functools.lru_cache(maxsize=32)
@@ -43,7 +48,7 @@ def _parsed_flags(magic, line: str):
             tokens[-1] += token
         else:
             tokens.append(token)
-    return magic.parser.parse_args(tokens)
+    return tuple(vars(magic.parser.parse_args(tokens)).items())
 
 
 # A cell that calls these can bind names no reading of its code sees.
@@ -225,6 +230,7 @@ class DDPMagics(Magics):
               help="with --executor: leave the Slurm job running on its own and return its handle; "
                    "ddp_notebook.follow(handle.folder) shows it from any kernel")
     @cell_magic
+    @no_var_expand  # (done below, only for a line that has something to expand)
     def ddp(self, line: str, cell: str):
         """Run this cell on every rank of a DDP job.
 
@@ -237,6 +243,8 @@ class DDPMagics(Magics):
         running it; ``--nnodes N --master-addr HOST`` runs this host's ranks as
         node 0 of a job on N hosts.
         """
+        if "$" in line or "{" in line:  # IPython's $name and {expression}; its own expansion copies user_ns
+            line = self.shell.var_expand(line, 2)  # (2: the cell's frame, below run_cell_magic and this)
         args = parse_flags(self.ddp, line)
         returns = _parse_returns(args.returns)
         if not cell.strip():
@@ -566,7 +574,7 @@ def _this_cell(shell, line: str, cell: str) -> tuple[str, int]:
     """The name and number IPython gave the running cell, so rank tracebacks point into it."""
     filename_map = getattr(shell.compile, "_filename_map", {})
     if filename_map:
-        filename, number = max(filename_map.items(), key=lambda item: item[1])
+        filename, number = next(reversed(filename_map.items()))  # the newest cell: the one running
         entry = linecache.cache.get(filename)
         if entry and "run_cell_magic('ddp'" in "".join(entry[2][:1]):
             return filename, number
@@ -590,8 +598,6 @@ def _show_rank_error(shell, etype, value, tb, tb_offset=None):
 
 def _metric_callbacks(shell, args) -> list:
     """What ``--callback NAME`` and ``--tensorboard DIR`` ask for; the notebook process runs them."""
-    from ..engine import callbacks
-
     found = []
     for name in args.callbacks:
         if name == "wandb" and name not in shell.user_ns:

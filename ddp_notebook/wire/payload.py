@@ -188,7 +188,8 @@ def parsed(code: str) -> ast.Module:
     return ast.parse(code)
 
 
-def names_used(code: str) -> set[str]:
+@functools.lru_cache(maxsize=16)
+def names_used(code: str) -> frozenset[str]:
     """Every name the code reads, anywhere (functions and comprehensions included)."""
     tree = parsed(code)
     used = set()
@@ -199,7 +200,7 @@ def names_used(code: str) -> set[str]:
             used.add(node.target.id)  # x += 1 reads x first
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             used.update(node.names)
-    return used
+    return frozenset(used)
 
 
 def check_syntax(code: str, line_offset: int, label: str) -> None:

@@ -134,8 +134,10 @@ def test_send_together_delivers_each_message_whole_as_send_bytes_does():
 
     server = ChannelServer()
     try:
-        ranks = [connect(server.address, server.key) for _ in range(2)]
-        notebook = [_accepted(server) for _ in ranks]
+        ranks, notebook = [], []
+        for _ in range(2):  # one at a time: each rank's end with its notebook end
+            ranks.append(connect(server.address, server.key))
+            notebook.append(_accepted(server))
         messages = [b"", b"x", os.urandom(1000), os.urandom(16384), os.urandom(16385), os.urandom(300_000)]
         for data in messages:
             assert send_together(notebook, data) == []

@@ -25,6 +25,7 @@ import threading
 import time
 
 from ..wire import forking
+from ..wire.channel import ready_now
 
 log = logging.getLogger("ddp_notebook")
 
@@ -109,8 +110,7 @@ class ForkedProcess:
     def poll(self) -> int | None:
         with self._reading:  # the job's thread and the notebook's (alive, stacks) may both ask
             if self.returncode is None and self._status is not None:
-                ready, _, _ = select.select([self._status], [], [], 0)
-                if ready:
+                if ready_now([self._status]):
                     data = os.read(self._status, 4)
                     os.close(self._status)
                     self._status = None

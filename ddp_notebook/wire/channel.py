@@ -139,12 +139,33 @@ def _send_at_once(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+# Calls that keep the GIL (ctypes.PyDLL): in a Jupyter kernel every system call made through Python lets the
+# kernel's own threads run, which are busy at the start of each cell, and a warm cell's steps then waited for them.
 _SEND_WITHOUT_SWITCH_MAX = 16384  # what a Connection writes in one write (its length, then its bytes)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", None)
-if _NOSIGNAL is not None:
-    _libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: a call keeps the GIL
+_libc = None
+if _NOSIGNAL is not None and hasattr(select, "POLLRDHUP"):  # Linux
+    _libc = ctypes.PyDLL(None, use_errno=True)
     _libc.send.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
     _libc.send.restype = ctypes.c_ssize_t
+    _libc.poll.argtypes = (ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int)
+    _libc.poll.restype = ctypes.c_int
+
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+def ready_now(fds: list[int]) -> list[int]:
+    """The descriptors among ``fds`` with something to read, or closed, now (``select`` with a zero timeout,
+    without letting another thread run)."""
+    if _libc is None:
+        return select.select(fds, [], [], 0)[0]
+    polled = (_PollFd * len(fds))(*[(fd, select.POLLIN, 0) for fd in fds])
+    while _libc.poll(polled, len(fds), 0) < 0:
+        if ctypes.get_errno() != errno.EINTR:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return [entry.fd for entry in polled if entry.revents]
 
 
 def send_together(conns: list[Connection], data: bytes) -> list[Connection]:
@@ -157,8 +178,8 @@ def send_together(conns: list[Connection], data: bytes) -> list[Connection]:
     take at once is written the usual way.
     """
     failed = []
-    frame = struct.pack("!i", len(data)) + data if _NOSIGNAL is not None \
-        and len(data) <= _SEND_WITHOUT_SWITCH_MAX else None
+    frame = struct.pack("!i", len(data)) + data if _libc is not None and len(data) <= _SEND_WITHOUT_SWITCH_MAX \
+        else None
     for conn in conns:
         try:
             sent = 0

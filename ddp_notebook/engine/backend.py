@@ -27,7 +27,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
-from ..wire.channel import ChannelServer, readable, send_together, whole_message
+from ..wire.channel import ChannelServer, readable, receive_now, send_together, whole_message
 from .output import OutputRelay
 
 log = logging.getLogger("ddp_notebook")
@@ -316,7 +316,8 @@ class ChannelRanks(RankBackend):
         try:
             while not drain or readable(conn):
                 with whole_message():
-                    kind, body = conn.recv()
+                    whole, message = receive_now(conn)  # (without a thread switch when it is all there)
+                    kind, body = message if whole else conn.recv()
                 self._take(conn, kind, body)
                 if not drain:
                     return

@@ -18,8 +18,11 @@ import select
 import signal
 import socket
 import struct
+import termios
 import threading
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 __all__ = ["ChannelServer", "connect", "Sender", "whole_message"]
 
@@ -89,6 +92,8 @@ class ChannelServer:
     def new_connections(self) -> list[Connection]:
         """Connections accepted since the last call."""
         with self._lock:
+            if self._accepted.empty():
+                return []  # (a connection and its wake-up byte come together, under this lock: no byte either)
             if self._wakeup_read >= 0:
                 with contextlib.suppress(OSError):  # emptied first: a connection queued after this leaves a byte
                     while os.read(self._wakeup_read, 4096):
@@ -150,6 +155,10 @@ if _NOSIGNAL is not None and hasattr(select, "POLLRDHUP"):  # Linux
     _libc.send.restype = ctypes.c_ssize_t
     _libc.poll.argtypes = (ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int)
     _libc.poll.restype = ctypes.c_int
+    _libc.recv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _libc.recv.restype = ctypes.c_ssize_t
+    _libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
+    _libc.ioctl.restype = ctypes.c_int
 
 
 class _PollFd(ctypes.Structure):
@@ -199,6 +208,27 @@ def send_together(conns: list[Connection], data: bytes) -> list[Connection]:
         except OSError:
             failed.append(conn)
     return failed
+
+
+def receive_now(conn: Connection) -> tuple[bool, Any]:
+    """``(True, conn.recv())`` when a whole message has arrived, read without letting another thread run; else
+    ``(False, None)`` and nothing is read (receive it the usual way)."""
+    if _libc is None:
+        return False, None
+    fd = conn.fileno()
+    waiting = ctypes.c_int()
+    if _libc.ioctl(fd, termios.FIONREAD, ctypes.byref(waiting)) != 0 or waiting.value < 4:
+        return False, None
+    header = ctypes.create_string_buffer(4)
+    if _libc.recv(fd, header, 4, socket.MSG_PEEK | socket.MSG_DONTWAIT) != 4:
+        return False, None
+    size = struct.unpack("!i", header.raw)[0]
+    if size < 0 or waiting.value < 4 + size:  # (a message of 2 GiB or more has a longer header)
+        return False, None
+    message = ctypes.create_string_buffer(4 + size)
+    if _libc.recv(fd, message, 4 + size, socket.MSG_DONTWAIT) != 4 + size:
+        raise OSError(f"a message of {size} bytes was there, but could not be read whole")
+    return True, ForkingPickler.loads(memoryview(message)[4:])
 
 
 def readable(conn: Connection) -> bool:

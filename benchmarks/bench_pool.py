@@ -21,6 +21,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = {"`%%ddp` cell: `pass`": 0.15, "`%%ddp` cell: print on every rank": 0.3}
 
 
+# What a %%ddp cell cannot cost less than in this kernel: IPython's handling of a cell magic, and one round trip of
+# a task to the warm ranks (the same channel and pump as %%ddp, none of its checks, shipping or bookkeeping).
+FLOOR_MAGICS = """
+from IPython.core.magic import register_cell_magic
+from ddp_notebook.engine import pool as _bench_pool
+from ddp_notebook.wire import payload as _bench_payload, protocol as _bench_protocol
+
+@register_cell_magic
+def noop(line, cell):
+    pass
+
+_bench_task = bytes(_bench_payload.dumps(_bench_payload.CellTask("pass", "<bench>", 1, {}, [], _bench_payload.Sources())))
+_bench_ids = iter(range(10**9, 2 * 10**9))
+
+@register_cell_magic
+def bare(line, cell):
+    group = _bench_pool.current().group
+    task, results = next(_bench_ids), set()
+    group.attach(lambda rank, kind, body: results.add(rank) if kind == _bench_protocol.RESULT else None)
+    group.send_to([0, 1], (_bench_protocol.RUN, {"task": task, "data": _bench_task, "seed": None, "attempt": 0}))
+    while len(results) < 2:
+        group.pump(0.1)
+"""
+
+
 def timed(kc, code: str) -> float:
     started = time.perf_counter()
     reply = kc.execute_interactive(code, timeout=300, output_hook=lambda msg: None)
@@ -36,7 +61,7 @@ def summary(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=int(os.environ.get("BENCH_REPEATS", 40)))
+    parser.add_argument("--repeats", type=int, default=int(os.environ.get("BENCH_REPEATS", 150)))
     parser.add_argument("--big-mib", type=int, default=512)
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
@@ -46,10 +71,13 @@ def main() -> None:
         start = time.perf_counter()
         timed(kc, "%ddp_start --cpus 2")
         pool_start = time.perf_counter() - start
+        timed(kc, FLOOR_MAGICS)
         contenders = {
             "plain `pass` cell": "pass",
             "`%%ddp` cell: `pass`": "%%ddp\npass",
             "`%%ddp` cell: print on every rank": "%%ddp\nprint(rank)",
+            "IPython's own cost of a cell magic (`%%noop`, does nothing)": "%%noop\npass",
+            "the floor: `%%bare` sends a prepared `pass` task to the pool's ranks, waits for both results": "%%bare\npass",
         }
         for code in contenders.values():  # warm-up
             timed(kc, code)
@@ -91,6 +119,15 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     verdicts = []
+    keys = {"noop": next(n for n in times if "%%noop" in n), "bare": next(n for n in times if "%%bare" in n),
+            "ddp pass": "`%%ddp` cell: `pass`"}
+
+    def med(key: str) -> float:
+        return statistics.median(times[keys[key]])
+
+    def share_of(key: str) -> float:
+        return (med(key) - base) / base
+
     for name, values in times.items():
         added = statistics.median(values) - base
         target = TARGETS.get(name)
@@ -107,6 +144,12 @@ def main() -> None:
         f"{(statistics.median(cold) - base) * 1e3:+.0f} ms | |",
         "",
         "Targets (issue 17), ratios from this run: " + "; ".join(verdicts) + ".",
+        "",
+        f"The floor, in this kernel: IPython's handling of a cell magic adds {share_of('noop'):.2f}× a plain cell, and a "
+        f"cell magic that only sends a prepared task to the warm ranks and waits for both results (the same channel "
+        f"and pump as `%%ddp`, none of its work) adds {share_of('bare'):.2f}×. A trivial `%%ddp` cell costs "
+        f"{(med('ddp pass') - med('bare')) * 1e3:.2f} ms more than that floor: the magic's own work (flags, "
+        f"checks, the names and sources to ship, the job and its events).",
         "",
         f"Re-shipping an unchanged {args.big_mib} MiB tensor: first cell that uses it {first * 1e3:.0f} ms; "
         f"afterwards {summary(unchanged)} against {summary(trivial)} for a trivial pool cell "

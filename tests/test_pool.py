@@ -146,7 +146,7 @@ def test_pool_cells_compile_as_the_notebook_does_and_get_each_source_once(no_lef
         "%%ddp\nx += 2",
         # 10: the earlier cells' sources are not sent again, only this cell's own
         "from ddp_notebook.engine import pool\nfrom ddp_notebook.wire import payload\n"
-        "print(sorted(pool.current().sources_to_ship(payload.notebook_sources(), [0, 1]).labels.values()))",
+        "print(sorted(pool.current().sources_to_ship([0, 1])[0].labels.values()))",
         # 11: annotations are evaluated as in the notebook, with the notebook's __future__ features
         "%%ddp --return hints\ndef typed(a: int) -> float:\n    return a\nhints = typed.__annotations__",
         "print(hints)",
@@ -259,3 +259,46 @@ def test_a_background_job_runs_while_other_cells_do(no_leftovers):
     # Its output and dashboard live in widgets under its own cell, never in the cells that ran meanwhile.
     assert "[rank" not in text(c[2]) + text(c[3])
     assert any(o.get("data", {}).get("application/vnd.jupyter.widget-view+json") for o in c[1].outputs)
+
+
+def test_a_pool_cell_gets_only_the_cell_sources_its_ranks_miss_however_long_the_session(monkeypatch):
+    # IPython's map of the cells it compiled only grows: what a pool's ranks miss is read from its newest end, so
+    # a session's thousandth cell costs what its first did, and the full sources (fresh ranks) stay the same.
+    import linecache
+    import types
+
+    import IPython
+
+    from ddp_notebook.wire import payload
+
+    filename_map: dict[str, int] = {}
+    shell = types.SimpleNamespace(compile=types.SimpleNamespace(_filename_map=filename_map))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    for name in ("_cells", "_cell_versions", "_written_texts"):
+        monkeypatch.setattr(payload, name, type(getattr(payload, name))())
+    monkeypatch.setattr(payload, "_version", 0)
+
+    def run_cell(number: int, text: str) -> str:
+        filename = f"/tmp/ipykernel_0/cell{number}.py"
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        filename_map[filename] = number
+        return filename
+
+    try:
+        for n in range(1, 1001):
+            run_cell(n, f"x{n} = {n}\n")
+        everything, version = payload.sources_since(0)
+        assert len(everything.texts) == 1000 and everything.labels[run_cell(7, "x7 = 7\n")] == "Cell In[7]"
+        assert everything.texts == payload.notebook_sources().texts
+        assert payload.sources_since(version)[0].texts == {}  # nothing new
+        f1001 = run_cell(1001, "def f():\n    return 1\n")
+        f1002 = run_cell(1002, "get_ipython().run_cell_magic('ddp', '', 'f()\\n')\n")
+        payload.hold_cell_text(f1002, "%%ddp \nf()\n", "Cell In[1002]")  # the %%ddp cell as written
+        new, newer = payload.sources_since(version)
+        assert new.texts == {f1001: "def f():\n    return 1\n", f1002: "%%ddp \nf()\n"}
+        assert new.labels == {f1001: "Cell In[1001]", f1002: "Cell In[1002]"}
+        assert newer > version and payload.sources_since(newer)[0].texts == {}
+        assert payload.notebook_sources().texts[f1002] == "%%ddp \nf()\n"
+    finally:
+        for filename in filename_map:
+            linecache.cache.pop(filename, None)

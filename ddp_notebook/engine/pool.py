@@ -109,11 +109,6 @@ def names_assigned(code: str) -> frozenset[str]:
     return frozenset(assigned)
 
 
-def _source_entries(sources: payload.Sources) -> dict[str, tuple[str | None, str | None]]:
-    """Each file of ``sources`` as a rank holds it once installed: (its text, its label)."""
-    return {f: (sources.texts.get(f), sources.labels.get(f)) for f in sources.texts.keys() | sources.labels.keys()}
-
-
 def collective_calls(code: str) -> list[str]:
     """Obvious collective calls in the code (``dist.all_reduce(...)``, ``DDP(...)``, ...)."""
     found = []
@@ -139,9 +134,10 @@ class Pool:
         # What each rank holds of the notebook's names: name -> fingerprint at shipping time (or at the
         # moment the ranks bound the name themselves, so their value wins until the notebook changes its own).
         self._held: list[dict[str, str]] = []
-        # The cell sources each rank has installed (for its tracebacks): filename -> (text, label).  Later cells send
-        # only new or changed ones, so a cell's task does not grow with the notebook's history.
-        self._sources_held: list[dict[str, tuple[str | None, str | None]]] = []
+        # The version of the notebook's cell sources each rank has installed (for its tracebacks,
+        # payload.sources_since): later cells send only new or changed ones, so a cell's task does not grow with
+        # the notebook's history.
+        self._sources_version: list[int] = []
         # Every name a cell bound on the ranks or was sent (None: a cell bound names no reading can tell);
         # a cell may read them though the notebook has none.  Not cleared by a restart: better a late NameError
         # than a false refusal.
@@ -170,7 +166,7 @@ class Pool:
         group.relay.flush(final=True)
         self.group = group
         self._held = [{} for _ in range(spec.world_size)]
-        self._sources_held = [{} for _ in range(spec.world_size)]
+        self._sources_version = [0] * spec.world_size
         _current = self
         return self
 
@@ -244,12 +240,10 @@ class Pool:
                 shipped[name] = value
         return shipped
 
-    def sources_to_ship(self, sources: payload.Sources, targets: list[int]) -> payload.Sources:
-        """The cell sources (and labels) some target rank has not installed as they are now."""
-        entries = _source_entries(sources)
-        missing = [f for f, entry in entries.items() if any(self._sources_held[r].get(f) != entry for r in targets)]
-        return payload.Sources({f: sources.texts[f] for f in missing if f in sources.texts},
-                               {f: sources.labels[f] for f in missing if f in sources.labels})
+    def sources_to_ship(self, targets: list[int]) -> tuple[payload.Sources, int]:
+        """The notebook's cell sources some target rank has not installed as they are now, and the version the
+        targets hold once they have (for :meth:`cell_done`)."""
+        return payload.sources_since(min(self._sources_version[r] for r in targets))
 
     def job(self, task: bytes, spec: JobSpec, targets: list[int] | None = None,
             relay: OutputRelay | None = None, max_restarts: int = 0) -> Job:
@@ -276,7 +270,7 @@ class Pool:
             self.busy = None
 
     def cell_done(self, job: Job, shipped: dict[str, Any], code: str, user_ns: dict,
-                  returned: dict[str, Any] | None = None, sources: payload.Sources | None = None) -> None:
+                  returned: dict[str, Any] | None = None, sources_version: int | None = None) -> None:
         """After a cell: remember what the ranks hold now.
 
         Names the ranks bound (or sent back with ``--return``) are theirs: the
@@ -287,10 +281,9 @@ class Pool:
         self.cells += 1
         if self.group is None or job.group is not self.group:
             return  # restarted: the new ranks hold nothing
-        if sources is not None:
-            entries = _source_entries(sources)
+        if sources_version is not None:
             for rank in set(job.targets) & set(job.outcome.results):
-                self._sources_held[rank].update(entries)
+                self._sources_version[rank] = max(self._sources_version[rank], sources_version)
         if job.results is None:  # what the failed cell bound, or was sent, may be missing or half-made
             for rank in job.targets:
                 for name in names_assigned(code) | set(shipped):

@@ -279,15 +279,17 @@ class DDPMagics(Magics):
             raise UsageError(str(exc)) from None
         try:
             written = f"%%ddp {line}\n{cell}"
-            payload.hold_cell_text(filename, written)  # IPython holds the transformed call
-            sources = payload.notebook_sources()
-            sources.texts[filename] = written  # also where the sources' size limit left it out
-            sources.labels[filename] = f"Cell In[{number}]"
+            payload.hold_cell_text(filename, written, f"Cell In[{number}]")  # IPython holds the transformed call
+            sources_version = None
             if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name and source
                 warm.ensure_alive()  # ranks restarted now hold nothing: compare against those
                 pool_ranks = targets if targets is not None else list(range(spec.world_size))
                 names = warm.to_ship(names, pool_ranks)
-                sources = warm.sources_to_ship(sources, pool_ranks)
+                sources, sources_version = warm.sources_to_ship(pool_ranks)
+            else:
+                sources = payload.notebook_sources()
+            sources.texts[filename] = written  # also where the sources' size limit left it out
+            sources.labels[filename] = f"Cell In[{number}]"
             task = payload.CellTask(cell, filename, 1, names, returns, sources,
                                     payload.future_features(getattr(shell.compile, "flags", 0)))
             if export_only:
@@ -315,7 +317,7 @@ class DDPMagics(Magics):
                 warm.rank_names = None if bound is None or warm.rank_names is None \
                     else warm.rank_names | bound | set(names)
                 warm.cell_done(job, names, cell, shell.user_ns, job.results[0].values if job.results and returns
-                               else None, sources=task.sources)
+                               else None, sources_version=sources_version)
 
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)

@@ -320,33 +320,90 @@ def release(data: Any) -> None:
 # Cells whose code IPython holds transformed (a %%ddp cell is a call of the magic), as their user wrote them.
 _written_texts: dict[str, str] = {}
 
+# Notebook side: IPython's cells as the ranks get them, each read once (a cell's file never changes), in the order
+# read or last changed, with the version of that change.  A warm pool asks only for what changed since it last
+# shipped (sources_since), so a session's thousandth cell costs what its first did.
+_cells = Sources()
+_cell_versions: dict[str, int] = {}  # every cell file seen, text or not
+_version = 0
+SOURCES_BUDGET = 4 << 20  # bytes of cell text a task carries at most (the oldest cells first)
 
-def hold_cell_text(filename: str, text: str) -> None:
-    """Notebook side: the cell IPython compiled as ``filename`` was written as ``text`` (its lines are the ones
-    the ranks compile): tracebacks show it, in this task and later ones."""
+
+def _set_cell(filename: str, text: str, label: str | None) -> None:
+    global _version
+    if _cells.texts.get(filename) == text and _cells.labels.get(filename) == label:
+        return
+    _version += 1
+    _cells.texts.pop(filename, None)  # (to the end: the order of versions)
+    _cells.texts[filename] = text
+    _cells.labels.pop(filename, None)
+    if label is not None:
+        _cells.labels[filename] = label
+    _cell_versions[filename] = _version
+
+
+def _read_new_cells() -> None:
+    """Read the cells IPython compiled since the last call: its map of cell files only grows, so walk it from its
+    newest entry back to the first one seen before."""
+    ipython = sys.modules.get("IPython")  # the notebook's shell, if this process has one (never imported here)
+    shell = ipython.get_ipython() if ipython is not None else None
+    filename_map = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    new = []
+    for filename in reversed(filename_map):
+        if filename in _cell_versions:
+            break
+        new.append(filename)
+    for filename in reversed(new):
+        _cell_versions.setdefault(filename, 0)
+        entry = linecache.cache.get(filename)
+        text = _written_texts.get(filename) or ("".join(entry[2]) if entry is not None and len(entry) == 4 else "")
+        if text:
+            _set_cell(filename, text, f"Cell In[{filename_map[filename]}]")
+
+
+def hold_cell_text(filename: str, text: str, label: str | None = None) -> None:
+    """Notebook side: the cell IPython compiled as ``filename`` (``label``: "Cell In[7]") was written as ``text``
+    (its lines are the ones the ranks compile): tracebacks show it, in this task and later ones."""
     _written_texts[filename] = text
+    _read_new_cells()
+    if filename in _cell_versions:
+        _set_cell(filename, text, label or _cells.labels.get(filename))
 
 
 def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
-    """Cell sources held only in memory (IPython's cells) as their user wrote them, with IPython's labels."""
+    """IPython's cells as their user wrote them, with IPython's labels (at most :data:`SOURCES_BUDGET` of text,
+    the oldest cells first); and the in-memory sources of ``extra_files`` (a function's own file)."""
+    _read_new_cells()
     sources = Sources()
-    ipython = sys.modules.get("IPython")  # the notebook's shell, if this process has one (never imported here)
-    shell = ipython.get_ipython() if ipython is not None else None
-    filename_map = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
-    budget = 4 << 20
-    for filename, entry in list(linecache.cache.items()):
-        if len(entry) != 4 or entry[1] is not None and filename not in extra_files:
-            continue  # real files are read from disk by the ranks
-        if filename not in filename_map and filename not in extra_files and not filename.startswith("<"):
-            continue
-        text = _written_texts.get(filename) or "".join(entry[2])
+    budget = SOURCES_BUDGET
+    for filename, text in _cells.texts.items():
         if len(text) > budget:
             break
         budget -= len(text)
         sources.texts[filename] = text
-        if filename in filename_map:
-            sources.labels[filename] = f"Cell In[{filename_map[filename]}]"
+        if filename in _cells.labels:
+            sources.labels[filename] = _cells.labels[filename]
+    for filename in extra_files:
+        entry = linecache.cache.get(filename)
+        if filename not in sources.texts and entry is not None and len(entry) == 4:
+            sources.texts[filename] = _written_texts.get(filename) or "".join(entry[2])
     return sources
+
+
+def sources_since(version: int) -> tuple[Sources, int]:
+    """The cells read or changed after ``version`` (0: every cell, as :func:`notebook_sources` gives them), and
+    the version a reader that installs them has reached."""
+    _read_new_cells()
+    if version <= 0:
+        return notebook_sources(), _version
+    changed = []
+    for filename in reversed(_cells.texts):  # newest change first: stop at the first the reader holds
+        if _cell_versions[filename] <= version:
+            break
+        changed.append(filename)
+    changed.reverse()
+    return Sources({f: _cells.texts[f] for f in changed}, {f: _cells.labels[f] for f in changed
+                                                            if f in _cells.labels}), _version
 
 
 def sources_for(fn: Callable) -> Sources:

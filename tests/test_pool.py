@@ -157,6 +157,11 @@ def test_pool_cells_compile_as_the_notebook_does_and_get_each_source_once(no_lef
         # sources though something clears linecache, as profilers and debuggers do)
         "import os, signal, time\nos.kill(pool.current().group.pids[1], signal.SIGKILL)\ntime.sleep(1)",
         "%%ddp\nimport linecache\nlinecache.clearcache()\nboom(5)",
+        # 18-20: a %%ddp cell run again after another cell keeps its file (ipykernel names it by its code), so it
+        # is not the newest one: its lines still show under its new number
+        "%%ddp\ndef again():\n    raise KeyError('again')\nagain()",
+        "z = 1",
+        "%%ddp\ndef again():\n    raise KeyError('again')\nagain()",
         "%ddp_stop",
     ])
     c = nb.cells
@@ -172,6 +177,11 @@ def test_pool_cells_compile_as_the_notebook_does_and_get_each_source_once(no_lef
     shown = text(c[17])
     assert "rank(s) 1 of the warm pool had died; the warm pool was restarted" in shown
     assert "ValueError: boom 5" in shown and where in shown and "raise ValueError(f'boom {n}')" in shown
+    for cell in (c[18], c[20]):
+        shown = text(cell)
+        assert f'File "Cell In[{cell.execution_count}]", line 3, in again' in shown, shown
+        assert f'File "Cell In[{cell.execution_count}]", line 4, in <module>' in shown, shown
+        assert "raise KeyError('again')" in shown and "Cell In[1" not in shown.replace(f"In[{cell.execution_count}]", "")
 
 
 TRAIN = '''%%ddp
@@ -269,36 +279,62 @@ def test_a_pool_cell_gets_only_the_cell_sources_its_ranks_miss_however_long_the_
 
     import IPython
 
+    from ddp_notebook.notebook.magic import _this_cell
     from ddp_notebook.wire import payload
 
     filename_map: dict[str, int] = {}
-    shell = types.SimpleNamespace(compile=types.SimpleNamespace(_filename_map=filename_map))
+    shell = types.SimpleNamespace(compile=types.SimpleNamespace(_filename_map=filename_map), execution_count=0)
     monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
     for name in ("_cells", "_cell_versions", "_written_texts"):
         monkeypatch.setattr(payload, name, type(getattr(payload, name))())
     monkeypatch.setattr(payload, "_version", 0)
+    monkeypatch.setattr(payload, "_cells_counted", 0)
 
-    def run_cell(number: int, text: str) -> str:
-        filename = f"/tmp/ipykernel_0/cell{number}.py"
+    def this_cell(filename: str):  # what the magic finds, called from the code of the cell in ``filename``
+        found = {}
+        exec(compile("found['cell'] = _this_cell(shell, '', 'f()\\n')", filename, "exec"),
+             {"_this_cell": _this_cell, "shell": shell, "found": found})
+        return found["cell"]
+
+    def run_cell(text: str) -> str:  # as ipykernel names a cell's file: by its code (a cell run again keeps it)
+        shell.execution_count += 1
+        filename = f"/tmp/ipykernel_0/{abs(hash(text))}.py"
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-        filename_map[filename] = number
+        filename_map[filename] = shell.execution_count
         return filename
 
     try:
-        for n in range(1, 1001):
-            run_cell(n, f"x{n} = {n}\n")
+        cells = [run_cell(f"x{n} = {n}\n") for n in range(1, 1001)]
         everything, version = payload.sources_since(0)
-        assert len(everything.texts) == 1000 and everything.labels[run_cell(7, "x7 = 7\n")] == "Cell In[7]"
+        assert len(everything.texts) == 1000 and everything.labels[cells[6]] == "Cell In[7]"
         assert everything.texts == payload.notebook_sources().texts
-        assert payload.sources_since(version)[0].texts == {}  # nothing new
-        f1001 = run_cell(1001, "def f():\n    return 1\n")
-        f1002 = run_cell(1002, "get_ipython().run_cell_magic('ddp', '', 'f()\\n')\n")
+        assert payload.sources_since(version) == (payload.Sources(), version)  # nothing new
+        f1001 = run_cell("def f():\n    return 1\n")
+        f1002 = run_cell("get_ipython().run_cell_magic('ddp', '', 'f()\\n')\n")
+        assert this_cell(f1002) == (f1002, 1002)
         payload.hold_cell_text(f1002, "%%ddp \nf()\n", "Cell In[1002]")  # the %%ddp cell as written
         new, newer = payload.sources_since(version)
         assert new.texts == {f1001: "def f():\n    return 1\n", f1002: "%%ddp \nf()\n"}
         assert new.labels == {f1001: "Cell In[1001]", f1002: "Cell In[1002]"}
         assert newer > version and payload.sources_since(newer)[0].texts == {}
         assert payload.notebook_sources().texts[f1002] == "%%ddp \nf()\n"
+        # A new cell, then cell 7 and the %%ddp cell again (In[1004], In[1005]): the same files, with new numbers.
+        w = run_cell("w0 = 0\n")
+        assert run_cell("x7 = 7\n") == cells[6]
+        assert run_cell("get_ipython().run_cell_magic('ddp', '', 'f()\\n')\n") == f1002
+        assert this_cell(f1002) == (f1002, 1005)
+        payload.hold_cell_text(f1002, "%%ddp \nf()\n", "Cell In[1005]")
+        again, newest = payload.sources_since(newer)
+        assert again.labels == {w: "Cell In[1003]", cells[6]: "Cell In[1004]", f1002: "Cell In[1005]"}
+        # At most SOURCES_BUDGET of text a task: what does not fit goes with the next; a cell too big ever, never.
+        monkeypatch.setattr(payload, "SOURCES_BUDGET", 40)
+        small = [run_cell(f"y{n} = '{n:>10}'\n") for n in range(3)]  # 18 bytes each
+        huge = run_cell("z = '" + "z" * 100 + "'\n")
+        last = run_cell("w = 1\n")
+        first, v1 = payload.sources_since(newest)
+        second, v2 = payload.sources_since(v1)
+        assert list(first.texts) == small[:2] and list(second.texts) == [small[2], last] and huge not in second.texts
+        assert payload.sources_since(v2) == (payload.Sources(), v2)
     finally:
         for filename in filename_map:
             linecache.cache.pop(filename, None)

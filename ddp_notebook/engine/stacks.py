@@ -131,4 +131,4 @@ def collect(group, ranks: list[int], wait: float = 2.0) -> RankStacks:
             texts[rank] = text
     for rank, text in texts.items():
         frames[rank] = _main_thread(parse(text))
-    return RankStacks(frames, payload.notebook_sources().labels)
+    return RankStacks(frames, payload.cell_labels())

@@ -573,13 +573,18 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
 
 
 def _this_cell(shell, line: str, cell: str) -> tuple[str, int]:
-    """The name and number IPython gave the running cell, so rank tracebacks point into it."""
+    """The name and number IPython gave the running cell, so rank tracebacks point into it: the file of the cell code
+    that called the magic (a cell run again keeps its file, named by its code, so the newest file may be another)."""
     filename_map = getattr(shell.compile, "_filename_map", {})
-    if filename_map:
-        filename, number = next(reversed(filename_map.items()))  # the newest cell: the one running
-        entry = linecache.cache.get(filename)
-        if entry and "run_cell_magic('ddp'" in "".join(entry[2][:1]):
-            return filename, number
+    frame = sys._getframe(1)
+    while frame is not None:  # this magic <- IPython's run_cell_magic <- the cell's code
+        code = frame.f_code
+        if code.co_name == "<module>" and code.co_filename in filename_map:
+            entry = linecache.cache.get(code.co_filename)
+            if entry and "run_cell_magic('ddp'" in "".join(entry[2][:1]):
+                return code.co_filename, filename_map[code.co_filename]
+            break  # called by other code (run_cell_magic in a function): a name of its own
+        frame = frame.f_back
     number = shell.execution_count
     return shell.compile.cache(f"%%ddp {line}\n{cell}", number), number
 

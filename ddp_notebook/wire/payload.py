@@ -18,6 +18,7 @@ import operator
 import os
 import pickle
 import sys
+import threading
 import types
 from collections import ChainMap
 from dataclasses import dataclass, field
@@ -326,7 +327,9 @@ _written_texts: dict[str, str] = {}
 _cells = Sources()
 _cell_versions: dict[str, int] = {}  # every cell file seen, text or not
 _version = 0
-SOURCES_BUDGET = 4 << 20  # bytes of cell text a task carries at most (the oldest cells first)
+_cells_counted = 0  # the shell's execution count at the last read
+_cells_lock = threading.RLock()  # (a background job's thread reads them too)
+SOURCES_BUDGET = 4 << 20  # bytes of cell text a task carries at most: what does not fit goes with later tasks
 
 
 def _set_cell(filename: str, text: str, label: str | None) -> None:
@@ -342,12 +345,19 @@ def _set_cell(filename: str, text: str, label: str | None) -> None:
     _cell_versions[filename] = _version
 
 
-def _read_new_cells() -> None:
-    """Read the cells IPython compiled since the last call: its map of cell files only grows, so walk it from its
-    newest entry back to the first one seen before."""
+def _ipython_cells() -> tuple[dict[str, int], int]:
+    """IPython's map of the cell files it compiled (file -> execution count) and its execution count now."""
     ipython = sys.modules.get("IPython")  # the notebook's shell, if this process has one (never imported here)
     shell = ipython.get_ipython() if ipython is not None else None
     filename_map = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    return filename_map, getattr(shell, "execution_count", 0) or 0
+
+
+def _read_new_cells() -> None:
+    """Read the cells IPython compiled since the last call: its map of cell files only grows, so walk it from its
+    newest entry back to the first one seen before."""
+    global _cells_counted
+    filename_map, count = _ipython_cells()
     new = []
     for filename in reversed(filename_map):
         if filename in _cell_versions:
@@ -359,30 +369,46 @@ def _read_new_cells() -> None:
         text = _written_texts.get(filename) or ("".join(entry[2]) if entry is not None and len(entry) == 4 else "")
         if text:
             _set_cell(filename, text, f"Cell In[{filename_map[filename]}]")
+    if len(new) < count - _cells_counted:  # a cell ran again: its file (named by its code) has a new number
+        for filename, number in list(filename_map.items()):
+            if filename in _cells.texts:
+                _set_cell(filename, _cells.texts[filename], f"Cell In[{number}]")
+    _cells_counted = max(_cells_counted, count)
 
 
 def hold_cell_text(filename: str, text: str, label: str | None = None) -> None:
     """Notebook side: the cell IPython compiled as ``filename`` (``label``: "Cell In[7]") was written as ``text``
     (its lines are the ones the ranks compile): tracebacks show it, in this task and later ones."""
-    _written_texts[filename] = text
-    _read_new_cells()
-    if filename in _cell_versions:
-        _set_cell(filename, text, label or _cells.labels.get(filename))
+    with _cells_lock:
+        _written_texts[filename] = text
+        _read_new_cells()
+        if filename in _cell_versions:
+            _set_cell(filename, text, label or _cells.labels.get(filename))
+
+
+def _within_budget(filenames) -> tuple[Sources, int]:
+    """The cells of ``filenames`` (in the order of their versions) up to :data:`SOURCES_BUDGET`, and the version up
+    to which every cell was either taken or too big to take ever."""
+    sources, budget, reached = Sources(), SOURCES_BUDGET, 0
+    for filename in filenames:
+        text = _cells.texts[filename]
+        if len(text) <= SOURCES_BUDGET:
+            if len(text) > budget:
+                break  # later tasks take it
+            budget -= len(text)
+            sources.texts[filename] = text
+            if filename in _cells.labels:
+                sources.labels[filename] = _cells.labels[filename]
+        reached = _cell_versions[filename]
+    return sources, reached
 
 
 def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
-    """IPython's cells as their user wrote them, with IPython's labels (at most :data:`SOURCES_BUDGET` of text,
-    the oldest cells first); and the in-memory sources of ``extra_files`` (a function's own file)."""
-    _read_new_cells()
-    sources = Sources()
-    budget = SOURCES_BUDGET
-    for filename, text in _cells.texts.items():
-        if len(text) > budget:
-            break
-        budget -= len(text)
-        sources.texts[filename] = text
-        if filename in _cells.labels:
-            sources.labels[filename] = _cells.labels[filename]
+    """IPython's cells as their user wrote them, with IPython's labels (up to :data:`SOURCES_BUDGET` of text, the
+    oldest first); and the in-memory sources of ``extra_files`` (a function's own file)."""
+    with _cells_lock:
+        _read_new_cells()
+        sources = _within_budget(list(_cells.texts))[0]
     for filename in extra_files:
         entry = linecache.cache.get(filename)
         if filename not in sources.texts and entry is not None and len(entry) == 4:
@@ -391,19 +417,23 @@ def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
 
 
 def sources_since(version: int) -> tuple[Sources, int]:
-    """The cells read or changed after ``version`` (0: every cell, as :func:`notebook_sources` gives them), and
-    the version a reader that installs them has reached."""
-    _read_new_cells()
-    if version <= 0:
-        return notebook_sources(), _version
-    changed = []
-    for filename in reversed(_cells.texts):  # newest change first: stop at the first the reader holds
-        if _cell_versions[filename] <= version:
-            break
-        changed.append(filename)
-    changed.reverse()
-    return Sources({f: _cells.texts[f] for f in changed}, {f: _cells.labels[f] for f in changed
-                                                            if f in _cells.labels}), _version
+    """The cells read or changed after ``version`` (0: from the first), up to :data:`SOURCES_BUDGET`, and the
+    version a reader that installs them has every cell up to."""
+    with _cells_lock:
+        _read_new_cells()
+        changed = []
+        for filename in reversed(_cells.texts):  # newest change first: stop at the first the reader holds
+            if _cell_versions[filename] <= version:
+                break
+            changed.append(filename)
+        changed.reverse()
+        sources, reached = _within_budget(changed)
+        return sources, max(version, reached)
+
+
+def cell_labels() -> dict[str, str]:
+    """IPython's label of each cell file ("Cell In[7]"), from any thread."""
+    return {filename: f"Cell In[{number}]" for filename, number in list(_ipython_cells()[0].items())}
 
 
 def sources_for(fn: Callable) -> Sources:

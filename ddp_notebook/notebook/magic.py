@@ -251,6 +251,7 @@ class DDPMagics(Magics):
             raise UsageError("the %%ddp cell is empty: write the code the ranks should run below the %%ddp line")
         shell = self.shell
         filename, number = _this_cell(shell, line, cell)
+        label = payload.cell_label(number)
         export_only = args.export is not None and args.nnodes == 1
         executor = _executor(shell, args.executor)
         warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only, executor)
@@ -259,7 +260,7 @@ class DDPMagics(Magics):
                                    nnodes=args.nnodes)
             if not args.grace > 0:
                 raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
-            payload.check_syntax(cell, 1, f"Cell In[{number}]")
+            payload.check_syntax(cell, 1, label)
             _check_node_flags(args, export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
             if warm is not None:
@@ -268,7 +269,7 @@ class DDPMagics(Magics):
             for name in sorted(set(shadowed) - _told_shadowed):  # once per name, at the cell's line
                 _told_shadowed.add(name)
                 warnings.warn_explicit(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is "
-                                       f"not used", UserWarning, f"Cell In[{number}]", _first_use(cell, name) + 1)
+                                       f"not used", UserWarning, label, _first_use(cell, name) + 1)
             _refuse_undefined(cell, shell.user_ns, warm, export_only)
             output_ranks = {0} if args.output == "0" else None
             spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
@@ -279,7 +280,7 @@ class DDPMagics(Magics):
             raise UsageError(str(exc)) from None
         try:
             written = f"%%ddp {line}\n{cell}"
-            payload.hold_cell_text(filename, written, f"Cell In[{number}]")  # IPython holds the transformed call
+            payload.hold_cell_text(filename, written, label)  # IPython holds the transformed call
             sources_version = None
             if warm is not None and not args.max_restarts:  # a restart's fresh ranks need every name and source
                 warm.ensure_alive()  # ranks restarted now hold nothing: compare against those
@@ -289,7 +290,7 @@ class DDPMagics(Magics):
             else:
                 sources = payload.notebook_sources()
             sources.texts[filename] = written  # also where the sources' size limit left it out
-            sources.labels[filename] = f"Cell In[{number}]"
+            sources.labels[filename] = label
             task = payload.CellTask(cell, filename, 1, names, returns, sources,
                                     payload.future_features(getattr(shell.compile, "flags", 0)))
             if export_only:

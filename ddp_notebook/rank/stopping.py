@@ -2,7 +2,8 @@
 
 The notebook sends ``STOP``; at each boundary (each batch of a ``distributed_loader``, each :func:`should_stop`
 call) the rank reads what has arrived (:func:`set_poll`), which marks the task (:func:`request`), and every rank
-takes part in one small all-reduce of its mark, so all of them see the stop at the same boundary and no collective is left waiting.
+takes part in one small all-reduce of its mark, so all of them see the stop at the same boundary and no collective
+is left waiting.
 Under torchrun, with no notebook to ask for a stop, nothing is exchanged.
 """
 from __future__ import annotations

@@ -148,8 +148,9 @@ def _send_at_once(sock: socket.socket) -> None:
 # kernel's own threads run, which are busy at the start of each cell, and a warm cell's steps then waited for them.
 _SEND_WITHOUT_SWITCH_MAX = 16384  # what a Connection writes in one write (its length, then its bytes)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", None)
+CAN_WAIT_CLOSED = hasattr(select, "POLLRDHUP")  # Linux
 _libc = None
-if _NOSIGNAL is not None and hasattr(select, "POLLRDHUP"):  # Linux
+if _NOSIGNAL is not None and CAN_WAIT_CLOSED:
     _libc = ctypes.PyDLL(None, use_errno=True)
     _libc.send.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
     _libc.send.restype = ctypes.c_ssize_t
@@ -233,12 +234,7 @@ def receive_now(conn: Connection) -> tuple[bool, Any]:
 
 def readable(conn: Connection) -> bool:
     """``conn.poll()`` (something to read, or the peer gone) without the selector it builds for each call."""
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
-
-
-CAN_WAIT_CLOSED = hasattr(select, "POLLRDHUP")  # Linux
+    return bool(ready_now([conn.fileno()]))
 
 
 def wait_closed(conn: Connection) -> None:
@@ -247,12 +243,7 @@ def wait_closed(conn: Connection) -> None:
     meanwhile."""
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLRDHUP)
-    while True:
-        try:
-            if poller.poll():
-                return
-        except InterruptedError:  # (before PEP 475's retry)
-            continue
+    poller.poll()  # (no timeout: it returns with the close; Python retries it after a signal)
 
 
 def connect(address: tuple[str, int], key: bytes, timeout: float | None = None) -> Connection:

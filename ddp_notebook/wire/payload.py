@@ -332,6 +332,11 @@ _cells_lock = threading.RLock()  # (a background job's thread reads them too)
 SOURCES_BUDGET = 4 << 20  # bytes of cell text a task carries at most: what does not fit goes with later tasks
 
 
+def cell_label(number: int) -> str:
+    """How IPython names a cell in tracebacks: "Cell In[7]"."""
+    return f"Cell In[{number}]"
+
+
 def _set_cell(filename: str, text: str, label: str | None) -> None:
     global _version
     if _cells.texts.get(filename) == text and _cells.labels.get(filename) == label:
@@ -368,11 +373,11 @@ def _read_new_cells() -> None:
         entry = linecache.cache.get(filename)
         text = _written_texts.get(filename) or ("".join(entry[2]) if entry is not None and len(entry) == 4 else "")
         if text:
-            _set_cell(filename, text, f"Cell In[{filename_map[filename]}]")
+            _set_cell(filename, text, cell_label(filename_map[filename]))
     if len(new) < count - _cells_counted:  # a cell ran again: its file (named by its code) has a new number
         for filename, number in list(filename_map.items()):
             if filename in _cells.texts:
-                _set_cell(filename, _cells.texts[filename], f"Cell In[{number}]")
+                _set_cell(filename, _cells.texts[filename], cell_label(number))
     _cells_counted = max(_cells_counted, count)
 
 
@@ -406,9 +411,7 @@ def _within_budget(filenames) -> tuple[Sources, int]:
 def notebook_sources(extra_files: set[str] = frozenset()) -> Sources:
     """IPython's cells as their user wrote them, with IPython's labels (up to :data:`SOURCES_BUDGET` of text, the
     oldest first); and the in-memory sources of ``extra_files`` (a function's own file)."""
-    with _cells_lock:
-        _read_new_cells()
-        sources = _within_budget(list(_cells.texts))[0]
+    sources = sources_since(0)[0]
     for filename in extra_files:
         entry = linecache.cache.get(filename)
         if filename not in sources.texts and entry is not None and len(entry) == 4:
@@ -433,7 +436,7 @@ def sources_since(version: int) -> tuple[Sources, int]:
 
 def cell_labels() -> dict[str, str]:
     """IPython's label of each cell file ("Cell In[7]"), from any thread."""
-    return {filename: f"Cell In[{number}]" for filename, number in list(_ipython_cells()[0].items())}
+    return {filename: cell_label(number) for filename, number in list(_ipython_cells()[0].items())}
 
 
 def sources_for(fn: Callable) -> Sources:

@@ -87,7 +87,7 @@ def test_the_stop_button_ends_a_loader_loop_at_the_same_batch_on_every_rank_and_
         msg_id, pids = run_until_pids(kc, LOADER_CELL)
         time.sleep(3)  # inside epoch 0 or later
         reply, told = _interrupt_and_collect(km, kc, msg_id)
-        assert reply["content"]["status"] == "ok", told
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "CellStopped", told
         assert "Traceback" not in told and "KeyboardInterrupt" not in told, told
         stopped = re.search(r"ddp_notebook: stopped at epoch (\d+), batch (\d+)", told)
         assert stopped, told
@@ -107,7 +107,7 @@ def test_the_stop_button_ends_a_should_stop_loop_at_the_same_step(no_leftovers):
         msg_id, pids = run_until_pids(kc, STEP_CELL)
         time.sleep(2)
         reply, told = _interrupt_and_collect(km, kc, msg_id)
-        assert reply["content"]["status"] == "ok", told
+        assert reply["content"]["ename"] == "CellStopped", told
         stopped = re.search(r"ddp_notebook: stopped at step (\d+)", told)
         assert stopped, told
         step = int(stopped.group(1))
@@ -191,8 +191,9 @@ def test_a_graceful_stop_on_the_warm_pool_keeps_the_pool_and_its_state(no_leftov
         msg_id, pids = run_until_pids(kc, cell)
         time.sleep(3)
         reply, told = _interrupt_and_collect(km, kc, msg_id)
-        assert reply["content"]["status"] == "ok", told
-        assert re.search(r"ddp_notebook: stopped at epoch \d+, batch \d+", told), told
+        assert reply["content"]["ename"] == "CellStopped", told
+        assert re.search(r"ddp_notebook: stopped at epoch \d+, batch \d+; --return copied model to the notebook\. "
+                         r"The cells queued after this one are not run\.", told), told
         assert "restarted" not in told
         after = _output(kc, "%%ddp\nprint('AFTER', os.getpid(), type(model).__name__)")
         assert set(map(int, re.findall(r"AFTER (\d+) DistributedDataParallel", after))) == pids, after

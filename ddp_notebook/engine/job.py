@@ -124,6 +124,8 @@ class Job(EventSource):
         self.stop_grace = stop_grace  # how long a graceful stop may wait for a batch boundary
         self.stoppable: set[int] = set()  # ranks whose task checks for a graceful stop
         self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
+        self.interrupted_where: "stacks.RankStacks | None" = None  # each rank's stack as a hard interrupt came
+        self.interrupted_where_told = False  # ... already printed
         self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
         self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
         self._stopped_where: dict[int, dict] = {}
@@ -199,7 +201,8 @@ class Job(EventSource):
             return None
         if "step" in where:
             return f"stopped at step {where['step']}"
-        return f"stopped at epoch {where['epoch']}, batch {where['batch']}"
+        sampler = f" (the loader's sampler epoch {where['sampler_epoch']})" if "sampler_epoch" in where else ""
+        return f"stopped at epoch {where['epoch']}, batch {where['batch']}{sampler}"
 
     def __repr__(self) -> str:
         where = f"{self.spec.world_size} GPU ranks" if self.spec.gpus else f"{self.spec.world_size} CPU ranks"
@@ -465,8 +468,10 @@ class Job(EventSource):
 
     def _on_grace_expired(self) -> None:
         """A graceful stop found no boundary in time: say so, and where each rank was."""
+        self.interrupted_where = self.stacks()
+        self.interrupted_where_told = True
         print(f"ddp_notebook: no batch boundary within {self.stop_grace:g} s of the stop; stopping hard. "
-              f"Where each rank was:\n{self.stacks()}", file=sys.stderr)
+              f"Where each rank was:\n{self.interrupted_where}", file=sys.stderr)
 
     def stacks(self) -> "stacks.RankStacks":
         """Every rank's Python stack now, grouped by identical stacks ("ranks 0, 2: all_reduce ← Cell In[5]
@@ -531,12 +536,23 @@ class Job(EventSource):
         if self._outcome is None:  # stopped, or a foreground run interrupted (Jupyter's stop button)
             stopped = JobStopped(self.task_id, self._stopped_by) if self._stop_requested else KeyboardInterrupt()
             self._outcome = ("error", stopped)
+            if not self._stop_requested and self.interrupted_where is None:
+                self.interrupted_where = self._where_now()
         if self._owns_group:
             if self.group is not None:
                 self.group.kill()
         elif self.on_interrupt is not None:
             self.on_interrupt(self)
         self._end()
+
+    def _where_now(self) -> "stacks.RankStacks | None":
+        """Every rank's stack before a hard stop ends it (briefly: the user is waiting)."""
+        try:
+            if self.group is not None and self.group.alive:
+                return stacks.collect(self.group, list(self.targets), wait=0.5)
+        except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second interrupt: stop without it
+            pass
+        return None
 
     def _forget_task_file(self) -> None:
         if self._task_path is not None:

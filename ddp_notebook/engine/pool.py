@@ -337,24 +337,27 @@ class Pool:
         if not self._answered(job):
             self.restart("the ranks could not be brought back to a common point after the interrupt")
             return
-        why = self._sync(job.task_id)
-        if why is None:
-            print("ddp_notebook: cell interrupted; the warm pool's ranks are back and keep their state",
-                  file=sys.stderr)
+        why, checked = self._sync(job.task_id)
+        if why is not None:
+            self.restart(why)
             return
-        self.restart(why)
+        print(f"ddp_notebook: cell interrupted; {replicas_news(checked)}", file=sys.stderr)
 
-    def _sync(self, task_id: int) -> str | None:
+    def _sync(self, task_id: int) -> tuple[str | None, list[dict]]:
         """Every rank meets at the store, then checks the process group (``rank.worker._check_group``: on a GPU
-        the device is synchronised first).  None when the pool may keep its ranks, else why it may not."""
+        the device is synchronised first) and its DDP replicas (``rank.replicas.reconcile``).  (None, what the
+        replica check found) when the pool may keep its ranks, else (why it may not, [])."""
         group = self.group
         at: dict[str, set[int]] = {"store": set(), "group": set()}  # the ranks past each stage
         failed: dict[int, dict] = {}
+        checked: list[dict] = []
 
         def handler(rank, kind, body):
             if body.get("task") == task_id:
                 if kind == protocol.SYNCED:
                     at[body.get("stage", "group")].add(rank)
+                    if rank == 0:
+                        checked[:] = body.get("replicas") or []
                 elif kind == protocol.FAILED:
                     failed[rank] = body
 
@@ -372,21 +375,55 @@ class Pool:
                     deadline = min(deadline, time.monotonic() + 1)
                 group.pump(0.05)
         if at["group"] == everyone:
-            return None
+            return None, checked
         # One rank past the store barrier means every rank reached it: what failed after that is the process group
         # (a rank whose stale collective gets the check's data may end before it says it is past the barrier).
         if not at["store"]:
-            return "the ranks could not be brought back to a common point after the interrupt"
+            return "the ranks could not be brought back to a common point after the interrupt", []
         out_of_step = "after the interrupt the ranks' process group was out of step (a collective one rank " \
                       "started was left unmatched)"
         ended = sorted(group.exited)
         if ended:
             codes = [group.exited[r] for r in ended]
             how = ", ".join(signal_name(c) if isinstance(c, int) and c < 0 else f"exit {c}" for c in codes)
-            return f"{out_of_step}: rank(s) {', '.join(map(str, ended))} ended in the check's all_reduce ({how})"
+            return f"{out_of_step}: rank(s) {', '.join(map(str, ended))} ended in the check's all_reduce ({how})", []
+        in_replicas = sorted(rank for rank, body in failed.items() if body.get("stage") == "replicas")
+        if in_replicas:
+            rank = in_replicas[0]
+            return f"the check of the DDP replicas after the interrupt failed on rank {rank}: " \
+                   f"{' '.join(failed[rank]['message'].split())[:300]}", []
         if failed:
             rank = min(failed)
-            return f"{out_of_step}: rank {rank}: {' '.join(failed[rank]['message'].split())[:300]}"
+            return f"{out_of_step}: rank {rank}: {' '.join(failed[rank]['message'].split())[:300]}", []
         silent = sorted(everyone - at["group"])
         return f"{out_of_step}: rank(s) {', '.join(map(str, silent))} did not finish the check within " \
-               f"{_CHECK_TIMEOUT_S:g} s"
+               f"{_CHECK_TIMEOUT_S:g} s", []
+
+
+def replicas_news(checked: list[dict]) -> str:
+    """What the replica check after an interrupt found, for the user: in step, or what was made one again."""
+    def called(entry):
+        return f"{entry['name']!r}" if entry["name"] else "a DDP model the cell holds by no name"
+
+    drifted = [entry for entry in checked if not entry["agreed"]]
+    if not drifted:
+        models = ", ".join(called(entry) for entry in checked)
+        return "the warm pool's ranks are back and keep their state" + \
+            (f" (the DDP replicas of {models} are the same on every rank)" if checked else "")
+    said = []
+    for entry in drifted:
+        if entry.get("problem"):
+            said.append(entry["problem"])
+            continue
+        forwards = entry["forwards"]
+        if len(set(forwards)) > 1:
+            ahead = max(range(len(forwards)), key=forwards.__getitem__)
+            how = f"rank {ahead} was {forwards[ahead] - min(forwards)} training step(s) ahead " \
+                  f"(training forwards per rank: {', '.join(map(str, forwards))})"
+        else:
+            how = "their parameters differed after the same number of training steps"
+        copied = "parameters and buffers" + "".join(f", {name!r}" for name in entry["copied"])
+        said.append(f"the DDP replicas of {called(entry)} had drifted apart: {how}; every rank now holds rank 0's "
+                    f"{copied}")
+    return "the warm pool's ranks are back, but " + "; ".join(said) + \
+        ". The ranks keep their other names as they were"

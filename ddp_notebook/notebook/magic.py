@@ -328,12 +328,14 @@ class DDPMagics(Magics):
             raise UsageError(str(exc)) from None
         try:
             results = job.result()
+        except KeyboardInterrupt:
+            raise _interrupted_hard(job) from None
         finally:
             settle(job)
-        if job.stopped_text:
-            print(f"ddp_notebook: {job.stopped_text}", file=sys.stderr)
         if returns:
             _take_returns(shell, results[0])
+        if job.stopped_text:
+            raise CellStopped(job, [name for name in returns if name in results[0].values])
 
     @magic_arguments()
     @argument("--gpus", default=None, metavar="N|I,J,..", help="a GPU count or indices, as for %%ddp")
@@ -527,6 +529,28 @@ def _parse_ranks(text: str | None, warm, cell: str, returns: list[str]) -> list[
             raise LaunchError(f"this cell runs on rank(s) {', '.join(map(str, targets))} only, but calls "
                               f"{', '.join(calls)}: a collective needs every rank and would hang")
     return targets
+
+
+class CellStopped(KeyboardInterrupt):
+    """A graceful stop ended the cell: what it kept is in the notebook, and like any interrupted cell it fails, so
+    that the cells queued after it ("Run All") are not run.  Shown as one line, with no traceback."""
+
+    def __init__(self, job, returned: list[str]):
+        kept = f"; --return copied {', '.join(returned)} to the notebook" if returned else ""
+        super().__init__(f"ddp_notebook: {job.stopped_text}{kept}. The cells queued after this one are not run.")
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of a traceback
+        return [str(self)]
+
+
+def _interrupted_hard(job) -> KeyboardInterrupt:
+    """The KeyboardInterrupt of a cell stopped hard, shown as where its ranks were instead of the engine's frames
+    (IPython renders an exception's ``_render_traceback_`` lines in place of its traceback)."""
+    where = job.interrupted_where
+    lines = "" if not where or job.interrupted_where_told else f"; where the ranks were:\n{where}"
+    interrupt = KeyboardInterrupt(f"the %%ddp cell was stopped hard{lines}")
+    interrupt._render_traceback_ = f"KeyboardInterrupt: {interrupt}".splitlines
+    return interrupt
 
 
 def _take_returns(shell, result) -> None:

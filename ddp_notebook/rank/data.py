@@ -137,11 +137,27 @@ class DistributedLoader(DataLoader):
         """Make the next iteration use this sampler epoch."""
         self._next_epoch = int(epoch)
         self.sampler.set_epoch(self._next_epoch)
+        self._in_this_task()["epoch_set"] = True
+
+    def _in_this_task(self) -> dict:
+        """This loader's passes in the running task (a warm pool's loader lives on across cells): the cell's own
+        epoch count, and whether the cell set the sampler's epoch itself (then that epoch is the cell's)."""
+        ctx = context.current()
+        task = ctx.extra.get("task") if ctx is not None else None
+        seen = self.__dict__.get("_task_passes")
+        if seen is None or seen["task"] != task:
+            seen = self.__dict__["_task_passes"] = {"task": task, "passes": 0, "epoch_set": False}
+        return seen
+
+    def _cell_epoch(self) -> int:
+        seen = self._in_this_task()
+        return self.epoch if seen["epoch_set"] else seen["passes"] - 1
 
     def __iter__(self):
         stopping.check_not_stopped()  # iterated again after a graceful stop: the cell ends here
         self.sampler.set_epoch(self._next_epoch)
         self._next_epoch += 1
+        self._in_this_task()["passes"] += 1
         batches = super().__iter__()
         progress = _progress_reporter() if self.report_progress else None
         ctx = context.current()
@@ -170,7 +186,7 @@ class DistributedLoader(DataLoader):
             except StopIteration:
                 return
             data_s = time.perf_counter() - wait_started
-            if stoppable and stopping.at_boundary({"epoch": self.epoch, "batch": done}):
+            if stoppable and stopping.at_boundary(self._where(done)):
                 return
             yield batch
             now = time.perf_counter()
@@ -180,6 +196,13 @@ class DistributedLoader(DataLoader):
             done += 1
             if progress is not None:
                 progress(done, total)
+
+
+    def _where(self, batch: int) -> dict:
+        where = {"epoch": self._cell_epoch(), "batch": batch}
+        if where["epoch"] != self.epoch:
+            where["sampler_epoch"] = self.epoch
+        return where
 
 
 class _Gathered(tuple):

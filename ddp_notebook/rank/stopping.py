@@ -1,7 +1,7 @@
 """Rank side of a graceful stop: every rank agrees to stop at the same batch boundary.
 
 The notebook sends ``STOP``; at each boundary (each batch of a ``distributed_loader``, each :func:`should_stop`
-call) the rank reads what has arrived (:func:`set_poll`), which marks the task (:func:`request`), and every rank
+call, each training forward of a DDP model that no other boundary came before: :func:`at_forward`) the rank reads what has arrived (:func:`set_poll`), which marks the task (:func:`request`), and every rank
 takes part in one small all-reduce of its mark, so all of them see the stop at the same boundary and no collective
 is left waiting.
 Under torchrun, with no notebook to ask for a stop, nothing is exchanged.
@@ -41,7 +41,10 @@ class _State:
         self.announced = False
         self.agreed = False
         self.where: dict | None = None
-        self.steps = 0
+        self.steps = 0  # should_stop() calls
+        self.forwards = 0  # DDP training forwards
+        self.boundaries = 0  # agreements taken part in
+        self.boundaries_at_forward = 0  # ... as the last DDP training forward began
 
 
 def _state(ctx) -> _State | None:
@@ -92,6 +95,7 @@ def at_boundary(where: dict) -> bool:
     state = _state(ctx)
     if state.agreed:
         return True
+    state.boundaries += 1
     if _agree(ctx, state):
         state.agreed = True
         state.where = dict(where)
@@ -128,3 +132,19 @@ def should_stop() -> bool:
         return True
     state.steps += 1
     return at_boundary({"step": state.steps - 1})
+
+
+def at_forward() -> None:
+    """A DDP model's training forward is about to run (every rank runs it in step): a boundary unless another one
+    (a ``distributed_loader`` batch, ``should_stop()``) came since the last such forward, so a loop pays for one
+    agreement per step.  Raises :class:`TrainingStopped` once every rank agreed to stop: the cell ends there."""
+    ctx = context.current()
+    if ctx is None or ctx.sender is None:
+        return
+    state = _state(ctx)
+    state.forwards += 1
+    if not state.agreed and state.boundaries == state.boundaries_at_forward:
+        at_boundary({"step": state.forwards - 1})
+    state.boundaries_at_forward = state.boundaries
+    if state.agreed:
+        raise TrainingStopped()

@@ -18,8 +18,8 @@ import weakref
 _lock = threading.Lock()
 _totals = {"batches": 0, "samples": 0, "step_s": 0.0, "data_s": 0.0, "comm_s": 0.0}
 _step_comm = 0.0  # the longest all-reduce wait of the step under way (buckets overlap: not their sum)
-_hooked: "weakref.WeakSet" = weakref.WeakSet()  # DDP models that carry the timed hook
-_finder = None  # the global forward pre-hook that looks for DDP models, while installed
+_hooked: "weakref.WeakSet" = weakref.WeakSet()  # DDP models that carry the timed hook (or could not)
+_wanted = False  # a loader times batches: time the DDP all-reduce too
 
 
 def batch_done(data_s: float, step_s: float, samples: int) -> None:
@@ -72,29 +72,18 @@ def _memory() -> tuple[int, str]:
 
 
 def watch_ddp() -> None:
-    """Time the all-reduce of the next DDP model this rank runs (called as a loader starts an epoch)."""
-    global _finder
-    if _finder is not None:
+    """Time the all-reduce of the DDP models this rank runs (called as a loader starts an epoch)."""
+    global _wanted
+    _wanted = True
+
+
+def time_allreduce(model) -> None:
+    """Called before each forward of a DDP model (``rank/replicas.py``): time its all-reduce once a loader asked."""
+    if not _wanted or model in _hooked:
         return
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    _finder = register_module_forward_pre_hook(_find_ddp)
-
-
-def _find_ddp(module, _inputs) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    global _finder
-    if not isinstance(module, DistributedDataParallel):
-        return
-    if _finder is not None:
-        _finder.remove()
-        _finder = None
-    if module in _hooked:
-        return
-    _hooked.add(module)
+    _hooked.add(model)
     try:
-        module.register_comm_hook(None, _timed_allreduce)
+        model.register_comm_hook(None, _timed_allreduce)
     except RuntimeError:
         pass  # a hook of the user's, or training already under way: no all-reduce timing for this model
 

@@ -21,7 +21,7 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, display, stopping, timing
+from . import context, display, replicas, stopping, timing
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -178,9 +178,10 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
         ctx.extra["cpu_group"] = dist.new_group(backend="gloo")
 
 
-def _sync(ctx, sender, body: dict) -> None:
+def _sync(ctx, sender, body: dict, namespace: dict) -> None:
     """After an interrupt: meet every other rank at a barrier kept in the TCPStore (a broken process group cannot
-    hang it), then check that the process group itself is in step (:func:`_check_group`)."""
+    hang it), check that the process group itself is in step (:func:`_check_group`), then that the DDP replicas
+    are (``replicas.reconcile``: made rank 0's where they differ)."""
     store = ctx.extra.get("store")
     key = f"ddp_notebook/sync/{body['task']}"
     timeout = body.get("timeout", 5.0)
@@ -197,7 +198,9 @@ def _sync(ctx, sender, body: dict) -> None:
         stage = "group"
         sender.send_now(protocol.SYNCED, {"task": body["task"], "stage": "store"})
         _check_group(ctx, body["task"], body.get("check_timeout", timeout))
-        sender.send(protocol.SYNCED, {"task": body["task"], "stage": "group"})
+        stage = "replicas"
+        checked = replicas.reconcile(namespace, group=ctx.extra.get("cpu_group"))
+        sender.send(protocol.SYNCED, {"task": body["task"], "stage": "group", "replicas": checked})
     except Exception as exc:  # noqa: BLE001
         sender.send(protocol.FAILED, {**failure_report(exc, {}, kind="comm"), "task": body["task"], "stage": stage})
     sender.flush()
@@ -311,6 +314,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.set()
         task = load()
+        replicas.install()
         timing.reset()
         if seed is not None:
             _seed_everything(seed)
@@ -443,7 +447,7 @@ def serve(boot: dict) -> None:
             stopping.request(body["task"])
             continue
         if kind == protocol.SYNC:
-            _sync(ctx, sender, body)
+            _sync(ctx, sender, body, namespace)
             continue
         if kind != protocol.RUN:
             continue

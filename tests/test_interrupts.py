@@ -1,0 +1,237 @@
+"""Stopping a DDP cell as users do: the stop button on the loop most people write (a plain DataLoader with a
+DistributedSampler), on a warm pool, beside CPU load; a hard stop that leaves the replicas apart; Run All."""
+import random
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nbrun import gone, kernel, run_until_pids
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.kernel]
+
+SETUP = "%load_ext ddp_notebook\nimport torch, ddp_notebook\n%ddp_start --cpus 2"
+
+MODEL_CELL = '''%%ddp
+import os, time
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 4))
+sampler = DistributedSampler(data)
+loader = DataLoader(data, batch_size=8, sampler=sampler)
+print("PID", os.getpid(), flush=True)
+'''
+
+TRAIN_CELL = '''%%ddp
+for epoch in range(1000):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+# Every rank's parameters and optimizer state, gathered: True when each rank holds the same.
+SAME_CELL = '''%%ddp --return same, momentum_same
+def _flat(tensors):
+    return torch.cat([t.detach().flatten() for t in tensors])
+def _same(tensor):
+    everyone = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(everyone, tensor)
+    return all(torch.equal(everyone[0], t) for t in everyone)
+same = _same(_flat(model.parameters()))
+buffers = [opt.state[p]["momentum_buffer"] for p in model.parameters() if "momentum_buffer" in opt.state[p]]
+momentum_same = _same(_flat(buffers)) if buffers else None
+'''
+
+
+def _run(kc, code, timeout=120):
+    """Run a cell to its end: (reply content, what it printed and its error lines)."""
+    told = []
+
+    def collect(msg):
+        if msg["msg_type"] == "stream":
+            told.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            told.append("\n".join(msg["content"]["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=collect)
+    return reply["content"], "".join(told)
+
+
+def _interrupted(km, kc, code, after, interrupts=1):
+    """Start a cell, interrupt it ``after`` seconds later (``interrupts`` times, a second apart): (reply, told)."""
+    msg_id = kc.execute(code)
+    time.sleep(after)
+    for i in range(interrupts):
+        if i:
+            time.sleep(1.0)
+        km.interrupt_kernel()
+    return _until_idle(kc, msg_id)
+
+
+def _until_idle(kc, msg_id, timeout=60):
+    reply = None
+    while reply is None:
+        msg = kc.get_shell_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            reply = msg["content"]
+    told = ""
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            told += msg["content"]["text"]
+        elif msg["msg_type"] == "error":
+            told += "\n".join(msg["content"]["traceback"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return reply, told
+
+
+def _print(kc, code):
+    reply, told = _run(kc, code)
+    assert reply["status"] == "ok", told
+    return told.strip()
+
+
+@pytest.fixture
+def cpu_load():
+    """Two CPU-bound processes beside the job, as on a busy server."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for proc in busy:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_stop_button_stops_a_plain_dataloader_ddp_loop_in_step_every_time(cpu_load, no_leftovers):
+    rounds, restarts, graceful = 40, 0, 0
+    rng = random.Random(777)
+    with kernel(SETUP) as (km, kc):
+        _, pids = run_until_pids(kc, MODEL_CELL)
+        for i in range(rounds):
+            reply, told = _interrupted(km, kc, TRAIN_CELL, after=rng.uniform(0.05, 1.5))
+            assert reply["status"] == "error", told
+            if reply["ename"] == "CellStopped":  # the usual case: stopped at the same forward on every rank
+                graceful += 1
+                assert re.fullmatch(r"ddp_notebook: stopped at step \d+\. The cells queued after this one are not "
+                                    r"run\.", told.strip()), told
+            else:  # the interrupt came before the loop's first forward: a hard stop, then the replica check
+                assert reply["ename"] == "KeyboardInterrupt", told
+                assert "keep their state" in told or "drifted apart" in told or "restarted" in told, told
+                restarts += "restarted" in told
+            reply, told = _run(kc, SAME_CELL)
+            assert reply["status"] == "ok", f"round {i}: {told}"
+            assert _print(kc, "print(same, momentum_same)") == "True True", f"round {i}"
+        assert restarts <= 1
+        assert graceful >= rounds // 2  # (a hard stop only when the interrupt beats the first forward)
+        _print(kc, "%ddp_stop")
+        assert gone(pids, 10)
+
+
+DRIFT_CELL = '''%%ddp
+x = torch.randn(8, 16)
+loss = model(x).sum()
+opt.zero_grad(); loss.backward()
+if rank == 0:
+    opt.step()  # rank 1 is stopped before its step: the replicas are one optimizer step apart
+stepped = [p.detach().clone() for p in model.parameters()]
+print("PID", os.getpid(), flush=True)
+time.sleep(3600)
+'''
+
+
+def test_a_hard_stop_that_leaves_the_replicas_apart_makes_them_rank_0s_and_says_so(no_leftovers):
+    with kernel(SETUP) as (km, kc):
+        _, pids = run_until_pids(kc, MODEL_CELL)
+        reply, told = _run(kc, TRAIN_CELL.replace("range(1000)", "range(1)"))  # momentum buffers exist
+        assert reply["status"] == "ok", told
+        msg_id, _ = run_until_pids(kc, DRIFT_CELL)
+        time.sleep(0.5)
+        km.interrupt_kernel()  # graceful: no boundary comes (the ranks sleep) ...
+        time.sleep(1.0)
+        km.interrupt_kernel()  # ... so the second stops hard
+        reply, told = _until_idle(kc, msg_id)
+        assert reply["ename"] == "KeyboardInterrupt", told
+        said = [line for line in told.splitlines() if line.startswith("ddp_notebook: cell interrupted")]
+        assert said == ["ddp_notebook: cell interrupted; the warm pool's ranks are back, but the DDP replicas of "
+                        "'model' had drifted apart: their parameters differed after the same number of training "
+                        "steps; every rank now holds rank 0's parameters and buffers, 'opt'. The ranks keep their "
+                        "other names as they were"], told
+        assert "keep their state" not in told
+        # Brief: where the ranks were, not the engine's frames.
+        assert "job.py" not in told and "backend.py" not in told, told
+        assert re.search(r"KeyboardInterrupt: the %%ddp cell was stopped hard; where the ranks were:\n"
+                         r"ranks 0, 1: Cell In\[\d+\] line 9", told), told
+        _run(kc, SAME_CELL)
+        assert _print(kc, "print(same, momentum_same)") == "True True"
+        reply, told = _run(kc, "%%ddp --return kept\nkept = all(torch.equal(p, s) for p, s in "
+                               "zip(model.parameters(), stepped))")
+        assert _print(kc, "print(kept)") == "True"  # rank 0's stepped parameters, on every rank
+        _print(kc, "%ddp_stop")
+        assert gone(pids, 10)
+
+
+def test_a_replica_check_that_finds_them_in_step_says_so(no_leftovers):
+    with kernel(SETUP) as (km, kc):
+        _, pids = run_until_pids(kc, MODEL_CELL)
+        msg_id, _ = run_until_pids(kc, "%%ddp\nloss = model(torch.randn(8, 16)).sum(); loss.backward(); "
+                                       "opt.step()\nprint('PID', os.getpid(), flush=True)\ntime.sleep(3600)")
+        km.interrupt_kernel()
+        time.sleep(1.0)
+        km.interrupt_kernel()
+        reply, told = _until_idle(kc, msg_id)
+        assert "ddp_notebook: cell interrupted; the warm pool's ranks are back and keep their state (the DDP " \
+               "replicas of 'model' are the same on every rank)" in told, told
+        _print(kc, "%ddp_stop")
+        assert gone(pids, 10)
+
+
+LOADER_TRAIN_CELL = '''%%ddp --return model
+for epoch in range(1000):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(0.01)
+    print(f"EPOCH-END {rank} {epoch}", flush=True)
+'''
+
+
+def test_stop_during_run_all_aborts_the_queued_cells_and_keeps_the_returned_names(no_leftovers):
+    with kernel(SETUP) as (km, kc):
+        _, pids = run_until_pids(kc, MODEL_CELL.replace(
+            "loader = DataLoader(data, batch_size=8, sampler=sampler)",
+            "loader = ddp_notebook.distributed_loader(data, batch_size=64)"))
+        # A loader reused across cells: its sampler's epoch runs on, the cell's own epochs start at 0.
+        reply, told = _run(kc, LOADER_TRAIN_CELL.replace("range(1000)", "range(3)"))
+        assert reply["status"] == "ok", told
+        ids = [kc.execute(LOADER_TRAIN_CELL), kc.execute("saved = 'the save cell ran'"), kc.execute("print(1)")]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the training cell is in its second epoch
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") == ids[0] and "EPOCH-END 0 0" in msg["content"].get("text", ""):
+                break
+        km.interrupt_kernel()
+        replies = {}
+        while len(replies) < 3:
+            msg = kc.get_shell_msg(timeout=60)
+            replies[msg["parent_header"]["msg_id"]] = msg["content"]
+        statuses = [replies[i]["status"] for i in ids]
+        assert statuses == ["error", "aborted", "aborted"], statuses
+        assert replies[ids[0]]["ename"] == "CellStopped"
+        rendered = "\n".join(replies[ids[0]]["traceback"])
+        assert re.fullmatch(r"ddp_notebook: stopped at epoch (\d+), batch \d+ \(the loader's sampler epoch (\d+)\); "
+                            r"--return copied model to the notebook\. The cells queued after this one are not run\.",
+                            rendered), rendered
+        cell_epoch, sampler_epoch = map(int, re.search(r"epoch (\d+).*sampler epoch (\d+)", rendered).groups())
+        assert cell_epoch >= 1 and sampler_epoch == cell_epoch + 3
+        assert _print(kc, "print(type(model).__name__, 'saved' in dir())") == "Sequential False"
+        _print(kc, "%ddp_stop")
+        assert gone(pids, 10)

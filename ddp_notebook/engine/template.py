@@ -153,7 +153,7 @@ class Template:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno())],
+                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, env=self.env, start_new_session=True, cwd=os.getcwd(),
             )

@@ -1,8 +1,10 @@
 """Checkpoints: resume on real gloo ranks, any wrapping, atomic writes under SIGKILL or a full disk, best-k
 bookkeeping."""
 import errno
+import inspect
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -165,7 +167,8 @@ def test_resuming_names_the_ranks_whose_rng_state_is_missing(runs):
     _, _, resumed = runs
     assert resumed[0]["rank0_only"]["missing"] == [1]
     message, = resumed[0]["rank0_only"]["warnings"]
-    assert "no RNG state for rank(s) 1" in message and "rank0_only.pt.rank1.rng" in message
+    assert "No RNG state for rank 1" in message and "rank0_only.pt.rank1.rng" in message
+    assert "the data order does not depend on it" in message  # the same world size: only random draws differ
     assert resumed[1]["rank0_only"] == {"missing": [1], "warnings": []}  # said once, by rank 0
 
 
@@ -226,26 +229,108 @@ def test_values_that_weights_only_loading_rejects_are_refused_before_writing(tmp
     assert not (tmp_path / "bad.pt").exists()
 
 
-def test_loading_weights_leaves_the_random_state_alone_and_resuming_restores_it(tmp_path):
+def _draws():
+    return torch.rand(3).tolist(), random.random()
+
+
+def test_in_the_notebook_loading_leaves_the_random_state_alone_unless_asked(tmp_path):
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = ddp_notebook.distributed_loader(range(8), batch_size=4)
     torch.manual_seed(21)
-    ddp_notebook.save_checkpoint(tmp_path / "c.pt", model, optimizer, epoch=0)
-    after_save = torch.rand(3)
+    random.seed(21)
+    ddp_notebook.save_checkpoint(tmp_path / "c.pt", model, optimizer, epoch=0, loader=loader)
+    after_save = _draws()
 
     target = Net()
     target_optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
     torch.manual_seed(5)
-    expected = torch.rand(3)
+    random.seed(5)
+    expected = _draws()
     torch.manual_seed(5)
+    random.seed(5)
     ddp_notebook.load_checkpoint(tmp_path / "c.pt", target)
-    assert torch.equal(torch.rand(3), expected)  # weights only: the random state is untouched
+    info = ddp_notebook.load_checkpoint(tmp_path / "c.pt", target, target_optimizer, loader=loader)
+    start = ddp_notebook.resume(tmp_path / "c.pt", target, target_optimizer, loader)
+    assert info.rng_state is None and start == 1 and start.checkpoint.rng_state is None
+    assert _draws() == expected  # outside a job, resuming leaves the notebook's random state its own
 
-    info = ddp_notebook.load_checkpoint(tmp_path / "c.pt", target, target_optimizer)
+    info = ddp_notebook.load_checkpoint(tmp_path / "c.pt", target, target_optimizer, restore_rng=True)
     assert info.rng_state is not None and info.rng_missing_ranks == []
-    assert torch.equal(torch.rand(3), after_save)  # the draws continue where the saved run was
+    assert _draws() == after_save  # asked: the draws continue where the saved run was
+    start = ddp_notebook.resume(tmp_path / "c.pt", target, target_optimizer, restore_rng=True)
+    assert start.checkpoint.rng_state is not None and _draws() == after_save
+    ddp_notebook.save_checkpoint(tmp_path / "no_loader.pt", model, epoch=0)
     with pytest.raises(ValueError, match="saved without loader="):
-        ddp_notebook.load_checkpoint(tmp_path / "c.pt", Net(), loader=ddp_notebook.distributed_loader(range(4)))
+        ddp_notebook.load_checkpoint(tmp_path / "no_loader.pt", Net(), loader=ddp_notebook.distributed_loader(range(4)))
+
+
+def test_a_loaded_checkpoint_reads_in_one_short_line(tmp_path):
+    model = Net()
+    ddp_notebook.save_checkpoint(tmp_path / "c.pt", model, torch.optim.Adam(model.parameters()), 3, note="x")
+    info = ddp_notebook.load_checkpoint(tmp_path / "c.pt", Net(), restore_rng=True)
+    assert info.rng_state is not None  # several KB of state behind it
+    assert repr(info) == (f"LoadedCheckpoint({str(tmp_path / 'c.pt')!r}, epoch=3, next_epoch=4, world_size=1, "
+                          f"optimizer state, RNG restored, extra=['note'])")
+    torch.save(model.state_dict(), tmp_path / "bare.pt")
+    assert repr(ddp_notebook.load_checkpoint(tmp_path / "bare.pt", Net())) == \
+        f"LoadedCheckpoint({str(tmp_path / 'bare.pt')!r}, epoch=None, next_epoch=0, no optimizer state, " \
+        f"not a save_checkpoint file)"
+    start = ddp_notebook.resume(tmp_path / "none-yet.pt", Net())
+    assert start == 0 and repr(start) == "0" and start.checkpoint is None
+
+
+def _save_or_resume(path, dataset, save):
+    """Save after one epoch, or resume from it; on resuming, what this rank's resume() said and returned."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(100)
+    model = DDP(Net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = ddp_notebook.distributed_loader(dataset, batch_size=40)
+    if save:
+        for x, y, _ in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        ddp_notebook.save_checkpoint(path, model, optimizer, 0, loader=loader)
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = ddp_notebook.resume(path, model, optimizer, loader)  # RESUME LINE
+    return {"start": int(start), "world_size": start.checkpoint.world_size,
+            "missing": start.checkpoint.rng_missing_ranks, "restored_rng": start.checkpoint.rng_state is not None,
+            "warnings": [(w.category.__name__, str(w.message), w.filename, w.lineno) for w in caught]}
+
+
+def _resume_line() -> int:
+    lines, first = inspect.getsourcelines(_save_or_resume)
+    return first + next(i for i, line in enumerate(lines) if "# RESUME LINE" in line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on,resumed_on", [(3, 2), (2, 3)])
+def test_resuming_on_another_world_size_says_so_once_at_the_users_line(tmp_path, saved_on, resumed_on, no_leftovers):
+    path = str(tmp_path / "resized.pt")
+    dataset = _train_set()
+    ddp_notebook.launch(_save_or_resume, (path, dataset, True), cpus=saved_on, seed=1)
+    seen = ddp_notebook.launch(_save_or_resume, (path, dataset, False), cpus=resumed_on, seed=2)
+    new_ranks = list(range(saved_on, resumed_on))
+    for rank, saw in enumerate(seen):
+        assert (saw["start"], saw["world_size"], saw["missing"]) == (1, saved_on, new_ranks)
+        assert saw["restored_rng"] == (rank < saved_on)
+    (category, message, filename, line), = seen[0]["warnings"]  # said once, by rank 0, at the resume() call
+    assert all(saw["warnings"] == [] for saw in seen[1:])
+    assert (category, filename, line) == ("ResumeWarning", __file__, _resume_line())
+    assert message.startswith(f"{path} was saved by {saved_on} ranks and is resumed on {resumed_on}: the global "
+                              f"batch size changes ({resumed_on} times the per-rank batch instead of {saved_on} "
+                              f"times), and with it each rank's share of every epoch's data and the order it sees "
+                              f"it in, so the run will not repeat the one that saved it."), message
+    if new_ranks:  # the new rank is named as new, not blamed on a missing file
+        assert message.endswith("Rank 2 had no saved RNG state: it keeps its current random state."), message
+    else:
+        assert "RNG" not in message
+    assert ".rng" not in message and "does not depend" not in message
 
 
 KILLED_SAVE = textwrap.dedent("""

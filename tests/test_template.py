@@ -18,7 +18,8 @@ import pytest
 
 import ddp_notebook
 from ddp_notebook.engine import template
-from nbrun import execute, kernel
+from jupyter_client.manager import start_new_kernel
+from nbrun import execute, gone, kernel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -187,3 +188,45 @@ def test_in_a_kernel_the_extension_starts_it_ddp_stop_ends_it_and_it_goes_with_t
                 and time.time() < deadline:
             time.sleep(0.05)
         assert not psutil.pid_exists(again) or psutil.Process(again).status() == psutil.STATUS_ZOMBIE
+
+
+# A sitecustomize for the kernel's environment: in the rank template only, ``import torch`` says so and then takes
+# two minutes, as on a slow disk, so that the kernel can be killed while the template imports.
+_SLOW_TORCH_IN_THE_TEMPLATE = textwrap.dedent("""
+    import importlib.abc, os, sys, time
+
+    class SlowTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" and "ddp_notebook.rank.template" in sys.orig_argv:
+                with open(os.environ["DDP_NOTEBOOK_TEST_IMPORTING"] + ".part", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(os.environ["DDP_NOTEBOOK_TEST_IMPORTING"] + ".part", os.environ["DDP_NOTEBOOK_TEST_IMPORTING"])
+                time.sleep(120)
+            return None
+
+    sys.meta_path.insert(0, SlowTorch())
+""")
+
+
+@pytest.mark.kernel
+def test_the_template_goes_with_a_kernel_killed_while_it_imports(tmp_path, no_leftovers):
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_TORCH_IN_THE_TEMPLATE)
+    importing = tmp_path / "importing"
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), DDP_NOTEBOOK_TEST_IMPORTING=str(importing))
+    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    template_pid = None
+    try:
+        kc.execute_interactive("%load_ext ddp_notebook", timeout=60)
+        deadline = time.time() + 60
+        while not importing.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        template_pid = int(importing.read_text())
+        assert psutil.Process(template_pid).ppid() == km.provisioner.process.pid
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        assert gone([template_pid], within=10)  # not after its imports, two minutes on
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        if template_pid is not None and psutil.pid_exists(template_pid):
+            os.kill(template_pid, signal.SIGKILL)  # (a failed run leaves nothing behind)

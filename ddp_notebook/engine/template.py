@@ -35,6 +35,9 @@ READY_TIMEOUT_S = 60.0
 _READ_AT_START = ("LD_", "PYTHON", "MALLOC_", "MKL_", "KMP_", "GOMP_", "OMP_", "TORCH_", "DDP_NOTEBOOK_TEMPLATE")
 _SET_PER_RANK = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
 
+# The package's folder, from this file's place in it (importing the package root here would be an import loop).
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 _lock = threading.RLock()
 _current: "Template | None" = None
 
@@ -46,11 +49,8 @@ def enabled() -> bool:
 
 def _code_fingerprint() -> tuple:
     """What a template's imports depend on: the interpreter, and torch's and ddp_notebook's files on disk."""
-    import ddp_notebook
-
     stamps = [sys.executable]
-    package = os.path.dirname(ddp_notebook.__file__)
-    for folder, _, files in os.walk(package):
+    for folder, _, files in os.walk(PACKAGE_DIR):
         for name in sorted(files):
             if name.endswith(".py"):
                 st = os.stat(os.path.join(folder, name))
@@ -153,7 +153,7 @@ class Template:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno())],
+                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, env=self.env, start_new_session=True, cwd=os.getcwd(),
             )

@@ -55,6 +55,7 @@ class FollowedRun(EventSource):
         self._outcome: tuple[str, Any] | None = None
         self._files = RunFiles(run_dir)
         self._last_line_at = time.monotonic()
+        dashboard.install()  # show() draws with the dashboard, however the notebook side was reached
 
     @property
     def status(self) -> str:

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import socket
+import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import context
 from .data import rank_and_world_size
@@ -379,7 +381,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     return path
 
 
-@dataclass
+@dataclass(repr=False)
 class LoadedCheckpoint:
     """What :func:`load_checkpoint` found in a checkpoint, for resuming."""
 
@@ -387,9 +389,9 @@ class LoadedCheckpoint:
     epoch: int | None = None
     sampler_epoch: Any = None
     optimizer_state: dict | None = None
-    rng_state: dict | None = None  # this rank's, None if missing
+    rng_state: dict | None = None  # this rank's, when it was restored
     rng_missing_ranks: list[int] = field(default_factory=list)
-    saved_world_size: int | None = None
+    world_size: int | None = None  # of the job that saved it (None: not saved by save_checkpoint)
     extra: dict = field(default_factory=dict)
     toolkit_format: bool = True  # False: a bare state dict (or another tool's dict)
 
@@ -397,6 +399,36 @@ class LoadedCheckpoint:
     def next_epoch(self) -> int:
         """The epoch a resumed loop starts from."""
         return 0 if self.epoch is None else self.epoch + 1
+
+    def __repr__(self) -> str:
+        # Not the fields themselves: the RNG and optimizer states run to tens of KB.
+        parts = [repr(self.path), f"epoch={self.epoch}", f"next_epoch={self.next_epoch}"]
+        if self.world_size is not None:
+            parts.append(f"world_size={self.world_size}")
+        if self.sampler_epoch is not None:
+            parts.append(f"sampler_epoch={self.sampler_epoch}")
+        parts.append("optimizer state" if self.optimizer_state is not None else "no optimizer state")
+        if self.rng_state is not None:
+            parts.append("RNG restored")
+        if self.rng_missing_ranks:
+            parts.append(f"no RNG state for ranks {self.rng_missing_ranks}")
+        if self.extra:
+            parts.append(f"extra={sorted(self.extra)}")
+        if not self.toolkit_format:
+            parts.append("not a save_checkpoint file")
+        return f"LoadedCheckpoint({', '.join(parts)})"
+
+
+class StartEpoch(int):
+    """What :func:`resume` returns: the epoch a loop starts from (an ``int``), with the checkpoint it came from
+    (``.checkpoint``, a :class:`LoadedCheckpoint`; None when there was none yet)."""
+
+    checkpoint: LoadedCheckpoint | None
+
+    def __new__(cls, epoch: int, checkpoint: LoadedCheckpoint | None = None) -> "StartEpoch":
+        start = super().__new__(cls, epoch)
+        start.checkpoint = checkpoint
+        return start
 
 
 def _rank_device() -> torch.device:
@@ -447,6 +479,49 @@ def _load_rng(path: str, world_size: int, tag: str | None, rank: int) -> tuple[d
     return mine, missing
 
 
+def _in_a_job() -> bool:
+    """True in a rank (a job's process group or rank context), False in the notebook or a plain script."""
+    return dist.is_available() and dist.is_initialized() or context.current() is not None
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _keep_their_state(ranks: Sequence[int]) -> str:
+    return "it keeps its current random state" if len(ranks) == 1 else "they keep their current random state"
+
+
+def _resume_notice(path: str, saved_world_size: int | None, world_size: int, missing: Sequence[int]) -> str | None:
+    """What a resume of ``path`` on ``world_size`` ranks will not repeat of the run that saved it; None if all."""
+    resized = saved_world_size is not None and saved_world_size != world_size
+    new = [r for r in missing if resized and r >= saved_world_size]  # ranks the saving run did not have
+    lost = [r for r in missing if r not in new]  # their file is missing or from another save
+    notice = []
+    if resized:
+        notice.append(
+            f"{path} was saved by {saved_world_size} rank{'s' * (saved_world_size != 1)} and is resumed on "
+            f"{world_size}: the global batch size changes ({world_size} times the per-rank batch instead of "
+            f"{saved_world_size} times), and with it each rank's share of every epoch's data and the order it sees "
+            f"it in, so the run will not repeat the one that saved it.")
+    if new:
+        notice.append(f"{_ranks_text(new).capitalize()} had no saved RNG state: {_keep_their_state(new)}.")
+    if lost:
+        notice.append(
+            f"No RNG state for {_ranks_text(lost)} (the file {rng_path(path, lost[0])} is missing or from another "
+            f"save): {_keep_their_state(lost)}, so random draws (dropout, augmentation) will differ from the "
+            f"uninterrupted run{'.' if resized else '; the data order does not depend on it.'}")
+    return " ".join(notice) or None
+
+
+def _warn_at_callers_line(message: str) -> None:
+    """A :class:`ResumeWarning` that names the first line outside this module (the user's cell or file)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, ResumeWarning, stacklevel=level)
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None,
                     restore_rng: bool | None = None, strict: bool = True,
@@ -457,12 +532,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     ``module.`` or ``_orig_mod.`` prefixes) load too.  Storages are mapped to
     this rank's device (or ``map_location``), and the file is read with
     ``weights_only=True``.  With an ``optimizer`` its state is restored; with a
-    ``loader`` (or list) its sampler epoch, so the data order continues.  When
-    resuming (an optimizer or loader given, or ``restore_rng=True``) this
-    rank's RNG state is restored too; ranks whose RNG state is missing are
-    listed in ``rng_missing_ranks`` and named in a :class:`ResumeWarning`.
-    Loading weights alone leaves the random state untouched.  If another rank
-    has just saved the file, load after a barrier.
+    ``loader`` (or list) its sampler epoch, so the data order continues.  In a
+    rank, resuming (an optimizer or loader given) restores this rank's RNG
+    state too; outside a job (in the notebook) only ``restore_rng=True`` does,
+    so the notebook's own random state stays its own.  A :class:`ResumeWarning`
+    at the caller's line says what will not repeat the saved run: ranks whose
+    RNG state is missing (also in ``rng_missing_ranks``), or a world size other
+    than the saved one (``world_size``).  Loading weights alone leaves the
+    random state untouched.  If another rank has just saved the file, load
+    after a barrier.
     """
     path = os.path.abspath(os.fspath(path))
     location = map_location if map_location is not None else _rank_device()
@@ -472,7 +550,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     loaded = LoadedCheckpoint(
         path=path, epoch=info.get("epoch"), sampler_epoch=info.get("sampler_epoch"),
         optimizer_state=info.get("optimizer") or info.get("optimizer_state_dict"),
-        saved_world_size=info.get("world_size"), extra=dict(info.get("extra") or {}), toolkit_format=ours,
+        world_size=info.get("world_size"), extra=dict(info.get("extra") or {}), toolkit_format=ours,
     )
     if model is not None:
         _load_model_state(unwrap_model(model), state, strict)
@@ -490,40 +568,40 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         for ld, ep in zip(loaders, epochs):
             (ld if hasattr(ld, "set_epoch") else ld.sampler).set_epoch(ep)  # ours, or a plain DataLoader
     if restore_rng is None:
-        restore_rng = optimizer is not None or bool(loaders)
-    if ours and restore_rng:
+        restore_rng = (optimizer is not None or bool(loaders)) and _in_a_job()
+    if ours and (restore_rng or loaders):
         rank, world_size = rank_and_world_size()
-        loaded.rng_state, loaded.rng_missing_ranks = _load_rng(path, world_size, info.get("rng_tag"), rank)
-        if loaded.rng_state is not None:
-            set_rng_state(loaded.rng_state)
-        if loaded.rng_missing_ranks and rank == 0:
-            ranks = ", ".join(map(str, loaded.rng_missing_ranks))
-            warnings.warn(
-                f"{path}: no RNG state for rank(s) {ranks} (the file {rng_path(path, loaded.rng_missing_ranks[0])} "
-                f"is missing or from another save). Those ranks keep their current random state, so random draws "
-                f"(dropout, augmentation) will differ from the uninterrupted run; the data order does not depend "
-                f"on it.", ResumeWarning, stacklevel=2)
+        if restore_rng:
+            loaded.rng_state, loaded.rng_missing_ranks = _load_rng(path, world_size, info.get("rng_tag"), rank)
+            if loaded.rng_state is not None:
+                set_rng_state(loaded.rng_state)
+        notice = _resume_notice(path, loaded.world_size, world_size, loaded.rng_missing_ranks)
+        if notice is not None and rank == 0:  # said once, for every rank
+            _warn_at_callers_line(notice)
     return loaded
 
 
 def resume(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-           loader: Any = None) -> int:
+           loader: Any = None, *, restore_rng: bool | None = None) -> StartEpoch:
     """The epoch a loop starts from: 0 when there is no checkpoint at ``path`` yet, else the one after the
-    checkpoint's, with everything :func:`load_checkpoint` restores (weights, optimizer, sampler epoch and this
-    rank's RNG state).
+    checkpoint's, with everything :func:`load_checkpoint` restores (weights, optimizer, sampler epoch and, in a
+    rank or with ``restore_rng=True``, this rank's RNG state).
 
     Written ``for epoch in range(resume(path, model, opt, loader), epochs)`` with ``save_checkpoint`` each epoch,
-    a loop restarted by ``--max-restarts`` continues where the failed attempt last saved.
+    a loop restarted by ``--max-restarts`` continues where the failed attempt last saved.  The result is an ``int``
+    whose ``.checkpoint`` is the :class:`LoadedCheckpoint` (``.checkpoint.world_size``: the saved run's).
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
-        return 0
-    loaded = load_checkpoint(path, model, optimizer, loader=loader, restore_rng=True)
+        return StartEpoch(0)
+    if restore_rng is None:
+        restore_rng = _in_a_job()
+    loaded = load_checkpoint(path, model, optimizer, loader=loader, restore_rng=restore_rng)
     ctx = context.current()
     if ctx is not None and ctx.rank == 0:
         task = {"task": ctx.extra["task"]} if "task" in ctx.extra else {}
         context.send(protocol.RESUMED, {**task, "epoch": loaded.next_epoch})
-    return loaded.next_epoch
+    return StartEpoch(loaded.next_epoch, loaded)
 
 
 # -- best checkpoints ----------------------------------------------------------------------------

@@ -1,13 +1,16 @@
-"""The rank template: ``python -m ddp_notebook.rank.template FD``, a process ranks are forked from.
+"""The rank template: ``python -m ddp_notebook.rank.template FD PID``, a process ranks are forked from.
 
 It imports what every rank imports (torch, numpy, cloudpickle, the rank side
-of ddp_notebook) once, never touches CUDA and never starts a thread, then
-waits on its socket (``FD``, one end of a socket pair whose other end the
-notebook holds) for requests to fork a rank.  A forked rank takes its own
-session, output pipes, environment, working directory and ``sys.path`` before
-it runs anything of the job (:func:`~ddp_notebook.rank.worker.forked_main`).
+of ddp_notebook) once and never touches CUDA, then waits on its socket
+(``FD``, one end of a socket pair whose other end the notebook, process
+``PID``, holds) for requests to fork a rank.  It ends as soon as the notebook
+goes, at any moment: while it imports (seconds), a thread watches for that,
+and the thread has ended before the first rank is forked.  A forked rank
+takes its own session, output pipes, environment, working directory and
+``sys.path`` before it runs anything of the job
+(:func:`~ddp_notebook.rank.worker.forked_main`).
 The template reaps its ranks and writes each one's exit code to the rank's
-status pipe.  It ends when the notebook says so or goes away.  Rank side: no
+status pipe.  It also ends when the notebook says so.  Rank side: no
 IPython, ipywidgets or matplotlib here.
 """
 from __future__ import annotations
@@ -20,9 +23,12 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
+from typing import Callable
 
 RANK_TITLE = "-m ddp_notebook.rank.worker"  # a forked rank's command line reads as a fresh rank's
+LOOK_FOR_THE_NOTEBOOK_S = 0.2  # how often the template checks that the notebook still lives, when nothing wakes it
 
 
 def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses: dict[int, int],
@@ -103,9 +109,40 @@ def _settle_heap() -> None:
         pass
 
 
+def _end_when_the_notebook_goes(sock: socket.socket, notebook: int) -> Callable[[], None]:
+    """Until the returned function is called, end this process as soon as the notebook goes: it died (this
+    process was handed to another parent) or closed its end of ``sock`` (its end closes late when a process it
+    forked holds a copy; a new parent is never late).  A thread watches, as the main thread is busy importing; the
+    returned function ends that thread, so that no thread is left when ranks are forked."""
+    done_r, done_w = os.pipe()
+    poller = select.poll()
+    poller.register(sock.fileno(), getattr(select, "POLLRDHUP", 0))  # the closed end; POLLHUP is always reported
+    poller.register(done_r, select.POLLIN)
+
+    def watch() -> None:
+        while True:
+            events = dict(poller.poll(LOOK_FOR_THE_NOTEBOOK_S * 1000))
+            if done_r in events:
+                return
+            if events or os.getppid() != notebook:
+                os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="ddp_notebook-template-watch", daemon=True)
+    watcher.start()
+
+    def done() -> None:
+        os.write(done_w, b"\0")
+        watcher.join()
+        os.close(done_r)
+        os.close(done_w)
+
+    return done
+
+
 def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD
-    parent = os.getppid()
+    sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD PID
+    parent = int(sys.argv[2])
+    stop_watching = _end_when_the_notebook_goes(sock, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook stops it; interrupts are for cells
     os.environ["SPT_NOENV"] = "1"  # setproctitle must leave the environment block (and so /proc/PID/environ) alone
     import cloudpickle  # noqa: F401  what every rank imports, once
@@ -123,6 +160,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - a rank imports them itself then
         pass
 
+    stop_watching()  # the loop below watches for the notebook itself
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
     _settle_heap()
     statuses: dict[int, int] = {}  # rank pid -> its status pipe
@@ -134,7 +172,7 @@ def main() -> None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
     while True:
-        readable, _, _ = select.select([sock, child_ended], [], [], 0.2)
+        readable, _, _ = select.select([sock, child_ended], [], [], LOOK_FOR_THE_NOTEBOOK_S)
         if child_ended in readable:
             while _read_some(child_ended):
                 pass

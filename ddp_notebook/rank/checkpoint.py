@@ -400,6 +400,11 @@ class LoadedCheckpoint:
         """The epoch a resumed loop starts from."""
         return 0 if self.epoch is None else self.epoch + 1
 
+    @property
+    def saved_world_size(self) -> int | None:
+        """The earlier name of :attr:`world_size`, kept for code written against it."""
+        return self.world_size
+
     def __repr__(self) -> str:
         # Not the fields themselves: the RNG and optimizer states run to tens of KB.
         parts = [repr(self.path), f"epoch={self.epoch}", f"next_epoch={self.next_epoch}"]

@@ -374,7 +374,8 @@ def dumps(task: Any, share: bool = True, snapshot: bool = False) -> Payload:
 
 
 def _refusal(name: str, steps: str, value: Any, error: Exception) -> str:
-    subject = f"{name}{steps}" if steps else repr(name)  # a path reads as code: holder['lock'], args[0].f
+    subject = name + steps
+    subject = f"'{subject}'" if subject.isidentifier() else subject  # a path reads as code: holder['lock'], args[0].f
     own = _process_own(value)
     if own is None:
         return (f"cannot send {subject} ({type(value).__name__}) to the ranks: {type(error).__name__}: {error}\n"

@@ -148,6 +148,24 @@ def test_launch_names_the_argument_and_starts_no_rank(tmp_path, no_rank_starts):
         connection.close()
 
 
+@pytest.mark.parametrize("cell, shipped", [
+    ("with open(f'rank{rank}.log', 'a') as log:\n    log.write('x')", set()),  # the cell's own file, as advised
+    ("log = open('run.log')\nprint(log.read())", set()),
+    ("import os as log\nlog.getpid()", set()),
+    ("log.write('x')\nlog = None", {"log"}),  # read first
+    ("log = log\n", {"log"}),
+    ("if rank == 0:\n    log = open('run.log')\nlog.write('x')", {"log"}),  # not surely bound
+    ("with contextlib.suppress(OSError):\n    log = open('run.log')\nlog.write('x')", {"log", "contextlib"}),
+    ("def write():\n    log.write('x')\nlog = open('run.log')\nwrite()", {"log"}),  # the function may run first
+    ("log.mode = 'a'\nlog = open('run.log')", {"log"}),
+])
+def test_a_name_the_cell_binds_before_reading_it_is_not_sent(cell, shipped):
+    import contextlib
+
+    with open(os.devnull, "a+") as log:
+        assert set(payload.select_names(cell, {"log": log, "contextlib": contextlib})[0]) == shipped
+
+
 IDENTIFIERS = st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(lambda name: not keyword.iskeyword(name))
 # One step from a container to what it holds: (kind, key or index or attribute, how many other items it holds)
 STEPS = st.one_of(
@@ -198,6 +216,7 @@ def test_a_cell_reading_an_open_file_is_refused_fresh_and_on_a_warm_pool(tmp_pat
         "%%ddp --cpus 2\nprint(ds.f.read())",
         "%%ddp --cpus 2\nwith holder['lock']:\n    pass",
         "import ddp_notebook\nprint('jobs started:', ddp_notebook.last_job())",
+        "%%ddp --cpus 2\nwith open(f'rank{rank}.log', 'a') as log:  # the cell's own\n    print(log.write('x'))",
         "%ddp_start --cpus 2",
         "%%ddp\nlog.write('from a rank\\n')",
         "%%ddp\nprint('on the pool', rank)",
@@ -205,11 +224,13 @@ def test_a_cell_reading_an_open_file_is_refused_fresh_and_on_a_warm_pool(tmp_pat
         "log.close()\nprint(repr(open('run.log').read()))",
     ], cwd=str(tmp_path), timeout=180)
     c = nb.cells
-    for refused, subject in (c[2], "'log'"), (c[3], "ds.f"), (c[7], "'log'"):
+    for refused, subject in (c[2], "'log'"), (c[3], "ds.f"), (c[8], "'log'"):
         shown = text(refused)
         assert f"UsageError: cannot send {subject} (open file 'run.log') to the ranks" in shown, shown
         assert "Open it inside the cell (or the function) instead" in shown and "[rank" not in shown, shown
     assert "UsageError: cannot send holder['lock'] (lock) to the ranks" in text(c[4])
     assert text(c[5]) == "jobs started: None\n"  # nothing was started for any refused cell
-    assert error(c[8]) is None and "[rank 0] on the pool 0" in text(c[8])  # the pool goes on
-    assert text(c[10]) == "''\n"  # no rank wrote to the file
+    assert error(c[6]) is None and "[rank 0] 1" in text(c[6]) and "[rank 1] 1" in text(c[6])
+    assert (tmp_path / "rank0.log").read_text() == (tmp_path / "rank1.log").read_text() == "x"
+    assert error(c[9]) is None and "[rank 0] on the pool 0" in text(c[9])  # the pool goes on
+    assert text(c[11]) == "''\n"  # no rank wrote to the notebook's file

@@ -310,7 +310,8 @@ def with_files_refused(table: Mapping, own: Mapping | None = None) -> ChainMap:
 # Other things that are the notebook process's own (module, class, what it is, how a rank gets its own): these fail
 # to pickle anyway; a refusal names them for what they are (a Popen fails on its lock, which is not the culprit).
 _PROCESS_OWN = (("socket", "socket", "socket", "open"), ("subprocess", "Popen", "process", "start"),
-                ("sqlite3", "Connection", "sqlite3 connection", "open"), ("sqlite3", "Cursor", "sqlite3 cursor", "open"))
+                ("sqlite3", "Connection", "sqlite3 connection", "open"),
+                ("sqlite3", "Cursor", "sqlite3 cursor", "open"))
 
 
 @dataclass
@@ -432,7 +433,8 @@ def _refusal(name: str, steps: str, value: Any, error: Exception) -> str:
     own = _process_own(value)
     if own is None:
         return (f"cannot send {subject} ({type(value).__name__}) to the ranks: {type(error).__name__}: {error}\n"
-                f"Create it inside the cell (or the function) instead, so each rank makes its own. No rank was started.")
+                f"Create it inside the cell (or the function) instead, so each rank makes its own. "
+                f"No rank was started.")
     return (f"cannot send {subject} ({own.label}) to the ranks: {own.why}.\n"
             f"{own.verb.capitalize()} it inside the cell (or the function) instead, so each rank {own.verb}s its own. "
             f"No rank was started.")

@@ -50,7 +50,10 @@ def current() -> "Pool | None":
 
 
 class _FingerprintPickler(cloudpickle.Pickler):
-    """Pickles for a digest only: large arrays enter it by a cheap token, not their bytes."""
+    """Pickles for a digest only: large arrays enter it by a cheap token, not their bytes.  An open file fails, unread
+    (the payload refuses it: its name is shipped, and refused there)."""
+
+    dispatch_table = payload.with_files_refused(cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")

@@ -22,7 +22,7 @@ import threading
 import types
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import cloudpickle
 
@@ -192,7 +192,10 @@ def parsed(code: str) -> ast.Module:
 @functools.lru_cache(maxsize=16)
 def names_used(code: str) -> frozenset[str]:
     """Every name the code reads, anywhere (functions and comprehensions included)."""
-    tree = parsed(code)
+    return frozenset(_names_read(parsed(code)))
+
+
+def _names_read(tree: ast.AST) -> set[str]:
     used = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
@@ -201,7 +204,56 @@ def names_used(code: str) -> frozenset[str]:
             used.add(node.target.id)  # x += 1 reads x first
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             used.update(node.names)
-    return frozenset(used)
+    return used
+
+
+@functools.lru_cache(maxsize=16)
+def names_bound_first(code: str) -> frozenset[str]:
+    """Names the code surely binds before it reads them (``log = open(...)`` or ``with open(...) as log:`` at its top
+    level, before any use of ``log``): the cell's own, so a notebook value of that name is not sent.  A statement's
+    reads count wherever they sit in it (a function it defines, a loop's body); binds count only where they surely
+    happen: top-level assignments, imports, definitions and ``with ... as`` targets, not what an ``if``, a loop, a
+    ``try`` or a ``with`` block binds."""
+    bound, read = set(), set()
+
+    def run(statements: list[ast.stmt], surely: bool) -> None:
+        for statement in statements:
+            if isinstance(statement, ast.With):
+                for item in statement.items:
+                    read.update(_names_read(item.context_expr) - bound)
+                    if item.optional_vars is not None and surely:
+                        bound.update(_names_stored(item.optional_vars) - read)
+                run(statement.body, False)  # (a context manager may swallow an exception of its block)
+                continue
+            read.update(_names_read(statement) - bound)
+            if surely:
+                bound.update(_names_bound_by(statement) - read)
+
+    run(parsed(code).body, True)
+    return frozenset(bound)
+
+
+def _names_bound_by(statement: ast.stmt) -> set[str]:
+    if isinstance(statement, ast.Assign):
+        return set().union(*(_names_stored(target) for target in statement.targets))
+    if isinstance(statement, ast.AnnAssign) and statement.value is not None:
+        return _names_stored(statement.target)
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names if alias.name != "*"}
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {statement.name}
+    return set()
+
+
+def _names_stored(target: ast.expr) -> set[str]:
+    """The names an assignment target binds (``a``, ``a, (b, *c)``; not ``a.x`` or ``a[0]``, which read ``a``)."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_names_stored(element) for element in target.elts))
+    if isinstance(target, ast.Starred):
+        return _names_stored(target.value)
+    return set()
 
 
 def check_syntax(code: str, line_offset: int, label: str) -> None:
@@ -219,17 +271,83 @@ def check_syntax(code: str, line_offset: int, label: str) -> None:
 
 
 def select_names(code: str, user_ns: dict) -> tuple[dict[str, Any], list[str]]:
-    """The notebook names the cell reads; and the rank names it would shadow."""
+    """The notebook names the cell reads (not those it binds before it reads them); and the rank names it would
+    shadow."""
     used = names_used(code)
     shadowed = sorted(n for n in RANK_NAMES if n in used and n in user_ns)
     chosen = {}
-    for name in used:
+    for name in used - names_bound_first(code):
         if name in RANK_NAMES or name in _IPYTHON_NAMES or name.startswith("_i") or name not in user_ns:
             continue
         if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
             continue
         chosen[name] = user_ns[name]
     return chosen, shadowed
+
+
+# The notebook's open files: cloudpickle would send an open text file as a StringIO of its contents (the whole file, in
+# the payload) and the rank's writes would reach nothing; every pickler of notebook values refuses them at once,
+# unread (the payload's, the warm pool's fingerprint).
+_FILE_TYPES = (io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair, io.TextIOWrapper)
+_STANDARD_STREAMS = {"stdout": ("stdout", "__stdout__"), "stderr": ("stderr", "__stderr__")}
+
+
+def _refuse_file(file):
+    for stream, names in _STANDARD_STREAMS.items():
+        if any(file is getattr(sys, name, None) for name in names):
+            return getattr, (sys, stream)  # the rank's own, whose output reaches the cell
+    raise pickle.PicklingError(f"{_process_own(file).label} cannot be sent")
+
+
+def with_files_refused(table: Mapping, own: Mapping | None = None) -> ChainMap:
+    """A pickler's dispatch ``table`` with ``own`` reducers, where an open (or closed) file fails to pickle and a
+    standard stream becomes the rank's own.  As flat as ``table``: every object a pickler pickles by its reduce
+    misses these maps, and each level of ChainMap costs it a microsecond."""
+    maps = list(table.maps) if isinstance(table, ChainMap) else [table]
+    return ChainMap({**maps[0], **dict.fromkeys(_FILE_TYPES, _refuse_file), **(own or {})}, *maps[1:])
+
+
+# Other things that are the notebook process's own (module, class, what it is, how a rank gets its own): these fail
+# to pickle anyway; a refusal names them for what they are (a Popen fails on its lock, which is not the culprit).
+_PROCESS_OWN = (("socket", "socket", "socket", "open"), ("subprocess", "Popen", "process", "start"),
+                ("sqlite3", "Connection", "sqlite3 connection", "open"),
+                ("sqlite3", "Cursor", "sqlite3 cursor", "open"))
+
+
+@dataclass
+class _ProcessOwn:
+    """A value that is the notebook process's own (see :func:`_process_own`)."""
+
+    kind: str  # "open file", "closed file", "socket", "process", ...
+    label: str  # the kind and which one: "open file 'run.log'", "process 4242"
+    verb: str  # how a rank gets its own: "open", "start"
+
+    @property
+    def why(self) -> str:
+        if self.kind == "open file":
+            return "a file the notebook opened is its own: a rank would get a copy of its contents, and its writes " \
+                   "would reach no file"
+        if self.kind == "closed file":
+            return "a closed file is of no use to a rank"
+        if self.kind == "process":
+            return "a process the notebook started is the notebook's child: a rank can neither wait for it nor stop it"
+        return f"a {self.kind} is the notebook process's own: a rank cannot use it"
+
+
+def _process_own(value: Any) -> _ProcessOwn | None:
+    """What ``value`` is, if it is the notebook process's own (an open file, a socket, a process, a database
+    connection); None for anything else."""
+    if isinstance(value, _FILE_TYPES):
+        kind = "closed file" if value.closed else "open file"
+        name = getattr(value, "name", None)
+        which = f" {name!r}" if isinstance(name, str) else f" (descriptor {name})" if isinstance(name, int) else ""
+        return _ProcessOwn(kind, kind + which, "open")
+    for module_name, class_name, kind, verb in _PROCESS_OWN:
+        module = sys.modules.get(module_name)  # (not imported here: a value of the class means it was)
+        if module is not None and isinstance(value, getattr(module, class_name)):
+            pid = getattr(value, "pid", None)
+            return _ProcessOwn(kind, f"{kind} {pid}" if isinstance(pid, int) else kind, verb)
+    return None
 
 
 def _code_reduce_keeping_filename(code: types.CodeType):
@@ -240,7 +358,8 @@ def _code_reduce_keeping_filename(code: types.CodeType):
 
 
 class _Pickler(cloudpickle.Pickler):
-    dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table)
+    dispatch_table = with_files_refused(cloudpickle.Pickler.dispatch_table,
+                                        {types.CodeType: _code_reduce_keeping_filename})
 
     def __init__(self, file, protocol=None, store: sharing.Store | None = None):
         super().__init__(file, protocol=protocol)
@@ -295,20 +414,129 @@ def dumps(task: Any, share: bool = True, snapshot: bool = False) -> Payload:
     if isinstance(task, CellTask):
         parts = dict(task.names)
     elif isinstance(task, CallTask):
-        parts = {"the function": task.fn}
+        name = getattr(task.fn, "__name__", "")
+        parts = {name if name.isidentifier() else "fn": task.fn}
         parts.update({f"args[{i}]": a for i, a in enumerate(task.args)})
         parts.update({f"kwargs[{k!r}]": v for k, v in task.kwargs.items()})
     else:
         parts = {"the task": task}
     for name, value in parts.items():
-        try:
-            dumps_with(value, sharing.Store(dry=True))
-        except Exception as exc:
-            raise LaunchError(
-                f"cannot send {name!r} ({type(value).__name__}) to the ranks: {type(exc).__name__}: {exc}\n"
-                f"Create it inside the cell (or the function) instead, so each rank makes its own. No rank was started."
-            ) from None
+        error = _pickling_error(value)
+        if error is not None:
+            raise LaunchError(_refusal(name, *_culprit(value, error))) from None
     raise LaunchError("cannot pickle what the ranks need; no rank was started")
+
+
+def _refusal(name: str, steps: str, value: Any, error: Exception) -> str:
+    subject = name + steps
+    subject = f"'{subject}'" if subject.isidentifier() else subject  # a path reads as code: holder['lock'], args[0].f
+    own = _process_own(value)
+    if own is None:
+        return (f"cannot send {subject} ({type(value).__name__}) to the ranks: {type(error).__name__}: {error}\n"
+                f"Create it inside the cell (or the function) instead, so each rank makes its own. "
+                f"No rank was started.")
+    return (f"cannot send {subject} ({own.label}) to the ranks: {own.why}.\n"
+            f"{own.verb.capitalize()} it inside the cell (or the function) instead, so each rank {own.verb}s its own. "
+            f"No rank was started.")
+
+
+def _pickling_error(value: Any) -> Exception | None:
+    """Why ``value`` cannot be pickled as a payload would pickle it (nothing is shared); None if it can."""
+    try:
+        dumps_with(value, sharing.Store(dry=True))
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _culprit(value: Any, error: Exception) -> tuple[str, Any, Exception]:
+    """The innermost part of ``value`` (whose pickling failed with ``error``) that fails to pickle on its own, the
+    steps that reach it from ``value`` (``['lock']``, ``.f``, ``[2]``: "" for ``value`` itself) and its error."""
+    steps, on_path = "", set()
+    while _process_own(value) is None:  # (a Popen fails on its lock: the process is named)
+        on_path.add(id(value))
+        found = _first_failing([(step, part) for step, part in _parts(value) if id(part) not in on_path])
+        if found is None:
+            break
+        step, value, error = found
+        steps += step
+    return steps, value, error
+
+
+def _first_failing(parts: list[tuple[str, Any]]) -> tuple[str, Any, Exception] | None:
+    """The first of ``parts`` that fails to pickle on its own, and its error.  Halves are pickled together: a list of
+    a million items takes some twenty tries, not a million."""
+    low, high = 0, len(parts)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _pickling_error([part for _, part in parts[low:middle]]) is not None:
+            high = middle
+        else:
+            low = middle
+    if low < high:
+        step, part = parts[low]
+        error = _pickling_error(part)
+        if error is not None:
+            return step, part, error
+    return None
+
+
+def _parts(value: Any) -> list[tuple[str, Any]]:
+    """What pickling ``value`` pickles besides it, each with the step that reaches it (``['key']``, ``[2]``,
+    ``.name``)."""
+    if isinstance(value, dict):
+        return [(f"[{key!r}]", item) for key, item in value.items()]
+    if isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple):  # a named tuple
+        return [(f".{name}", item) for name, item in zip(value._fields, value)]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", item) for i, item in enumerate(value)]
+    if isinstance(value, types.MethodType):
+        return [(".__self__", value.__self__), (".__func__", value.__func__)]
+    if isinstance(value, types.FunctionType):
+        return _function_parts(value)
+    parts = []
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, (dict, types.MappingProxyType)):  # an object's, or a class's the notebook defined
+        for name, item in attributes.items():
+            if isinstance(value, type) and name.startswith("__") and name.endswith("__"):
+                continue
+            if isinstance(item, dict) and not isinstance(value, type):
+                # an attribute kept in a dict of the object (a torch Module's _modules): named as the attribute
+                parts += [(f".{key}", sub) for key, sub in item.items()
+                          if isinstance(key, str) and key.isidentifier() and _attribute_is(value, key, sub)]
+            parts.append((f".{name}", item))
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                parts.append((f".{slot}", getattr(value, slot)))
+    return parts
+
+
+def _attribute_is(value: Any, name: str, part: Any) -> bool:
+    try:
+        return getattr(value, name) is part
+    except Exception:
+        return False
+
+
+def _function_parts(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """The globals a function's code reads, its closure's values and its defaults (cloudpickle pickles them with a
+    function it pickles by value)."""
+    names, codes = {}, [fn.__code__]
+    while codes:
+        code = codes.pop(0)
+        names.update(dict.fromkeys(code.co_names))
+        codes += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    parts = [(f".__globals__[{name!r}]", fn.__globals__[name]) for name in names if name in fn.__globals__]
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            parts.append((f".__closure__[{i}].cell_contents", cell.cell_contents))
+        except ValueError:
+            pass  # (an empty cell)
+    parts += [(f".__defaults__[{i}]", default) for i, default in enumerate(fn.__defaults__ or ())]
+    parts += [(f".__kwdefaults__[{name!r}]", default) for name, default in (fn.__kwdefaults__ or {}).items()]
+    return parts
 
 
 def release(data: Any) -> None:

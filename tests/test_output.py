@@ -1,5 +1,6 @@
 """Rank output: prefixed, batched, paced, elided with a count, and the tail always shown."""
 import io
+import re
 
 import pytest
 
@@ -49,6 +50,143 @@ def test_a_progress_bar_redrawn_with_carriage_returns_keeps_only_what_a_terminal
     relay.feed(0, "stdout", b"\rdone\n")
     relay.flush(final=True)
     assert out.getvalue() == "[rank 0] done\n"
+
+
+class Recorder:
+    """The two streams of a cell: every write, in order, as (stream, text)."""
+
+    def __init__(self):
+        self.writes = []
+        self.out, self.err = self._stream("stdout"), self._stream("stderr")
+
+    def _stream(self, name):
+        recorder = self
+
+        class Stream(io.StringIO):
+            def write(self, text):
+                recorder.writes.append((name, text))
+                return len(text)
+
+        return Stream()
+
+    def shown(self):
+        """What a Jupyter front end shows: consecutive writes to one stream are one output, in which "\r" goes back
+        to the start of the line and overwrites it (JupyterLab's and Notebook's rule, as a terminal's)."""
+        blocks = []
+        for name, text in self.writes:
+            if blocks and blocks[-1][0] == name:
+                blocks[-1][1] += text
+            else:
+                blocks.append([name, text])
+        return [(name, _render(text)) for name, text in blocks]
+
+
+def _render(text):
+    lines = []
+    for line in re.sub(r"\r+\n", "\n", text).split("\n"):
+        shown = ""
+        for segment in line.split("\r"):
+            shown = segment + shown[len(segment):]
+        lines.append(shown.rstrip())
+    return "\n".join(lines)
+
+
+def test_a_redrawn_line_shows_at_each_flush_and_its_end_overwrites_it():
+    cell = Recorder()
+    relay = OutputRelay(cell.out, cell.err)
+    relay.feed(0, "stdout", b"before\n")
+    relay.feed(0, "stderr", b"\r  0%|    | 0/3")
+    relay.flush()
+    relay.feed(0, "stderr", b"\r 33%|#   | 1/3")
+    relay.feed(0, "stderr", b"\r 66%|##  | 2/3")  # only the newest drawing of a flush goes out
+    relay.flush()
+    relay.flush()  # unchanged: nothing written
+    relay.feed(0, "stderr", b"\r100%|###| 3/3\n")
+    relay.feed(0, "stdout", b"after\n")
+    relay.flush(final=True)
+    assert cell.writes == [
+        ("stdout", "[rank 0] before\n"),
+        ("stderr", "[rank 0]   0%|    | 0/3"),
+        ("stderr", "\r[rank 0]  66%|##  | 2/3"),
+        ("stderr", "\r[rank 0] 100%|###| 3/3 \n"),  # padded to cover the longer line it overwrites
+        ("stdout", "[rank 0] after\n"),
+    ]
+    assert cell.shown() == [("stdout", "[rank 0] before\n"), ("stderr", "[rank 0] 100%|###| 3/3\n"),
+                            ("stdout", "[rank 0] after\n")]
+
+
+def test_lines_of_stdout_and_stderr_keep_the_order_they_came_in():
+    cell = Recorder()
+    relay = OutputRelay(cell.out, cell.err)
+    relay.feed(0, "stdout", b"one\n")
+    relay.feed(0, "stderr", b"two\n")
+    relay.feed(0, "stdout", b"three\n")
+    relay.flush()
+    assert cell.writes == [("stdout", "[rank 0] one\n"), ("stderr", "[rank 0] two\n"),
+                           ("stdout", "[rank 0] three\n")]
+
+
+def test_other_lines_go_above_the_redrawn_line_and_it_is_drawn_again_below_them():
+    cell = Recorder()
+    relay = OutputRelay(cell.out, cell.err)
+    relay.feed(0, "stderr", b"\r 10%|#         | 1/10")
+    relay.flush()
+    relay.feed(1, "stderr", b"warning\n")
+    relay.flush()
+    assert cell.shown() == [("stderr", "[rank 1] warning\n[rank 0]  10%|#         | 1/10")]
+    relay.feed(0, "stdout", b"a print inside the loop\n")
+    relay.feed(0, "stderr", b"\r 20%|##        | 2/10")
+    relay.flush()
+    assert cell.shown()[1:] == [("stdout", "[rank 0] a print inside the loop\n"),
+                                ("stderr", "[rank 0]  20%|##        | 2/10")]
+
+
+def test_a_bar_that_clears_its_line_leaves_nothing_and_the_next_line_starts_clean():
+    cell = Recorder()
+    relay = OutputRelay(cell.out, cell.err)
+    relay.feed(0, "stderr", b"\r 50%|#####     | 5/10")
+    relay.flush()
+    relay.feed(0, "stderr", b"\r" + b" " * 20 + b"\r")  # tqdm(leave=False) closing
+    relay.flush()
+    relay.feed(0, "stderr", b"next\n")
+    relay.flush(final=True)
+    assert cell.shown() == [("stderr", "[rank 0] next\n")]
+
+
+def test_a_line_ended_without_a_redraw_waits_for_its_end():
+    cell = Recorder()
+    relay = OutputRelay(cell.out, cell.err)
+    relay.feed(0, "stdout", b"loading ")
+    relay.flush()
+    relay.feed(0, "stdout", b"done\n")
+    relay.flush()
+    assert cell.writes == [("stdout", "[rank 0] loading done\n")]
+
+
+def test_a_background_jobs_log_shows_a_redrawn_line_once(monkeypatch):
+    from ddp_notebook.notebook import cell_output
+
+    shown = []
+
+    class Output:
+        def __init__(self, data):
+            shown.append(data["text/plain"])
+
+        def update(self, data):
+            shown.append(data["text/plain"])
+
+    monkeypatch.setattr(cell_output, "CellOutput", Output)
+    log = cell_output.CellLog()
+    relay = OutputRelay(log, log)
+    relay.feed(0, "stdout", b"before\n")
+    for i in range(3):
+        relay.feed(0, "stderr", b"\r%d/3" % i)
+        relay.flush()
+    assert shown[-1] == "[rank 0] before\n[rank 0] 2/3"
+    relay.feed(0, "stderr", b"\r3/3\n")
+    relay.feed(0, "stdout", b"after\n")
+    relay.flush(final=True)
+    assert shown[-1].splitlines() == ["[rank 0] before", "[rank 0] 3/3", "[rank 0] after"]
 
 
 def _leaves_a_child_holding_stdout():

@@ -189,6 +189,46 @@ def test_a_background_jobs_log_shows_a_redrawn_line_once(monkeypatch):
     assert shown[-1].splitlines() == ["[rank 0] before", "[rank 0] 3/3", "[rank 0] after"]
 
 
+WRITES_BOTH_STREAMS = """
+import sys
+from ddp_notebook.rank import streams
+streams.WAIT_S = 120  # (here: however slowly the test reads)
+streams.keep_in_order()
+for i in range(10):
+    print("out", i)
+    print("err", i, file=sys.stderr)
+"""
+
+
+def test_a_ranks_stdout_and_stderr_are_read_in_the_order_it_wrote_them():
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", WRITES_BOTH_STREAMS], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    read, open_pipes = [], {child.stdout.fileno(): "", child.stderr.fileno(): ""}  # (what a line has so far)
+    try:
+        while open_pipes:
+            time.sleep(0.01)  # a busy notebook: both pipes would have something by the time it looks
+            ready, _, _ = select.select(sorted(open_pipes), [], [])
+            for fd in sorted(ready):  # stdout first, as its lower descriptor
+                data = os.read(fd, 1 << 16)
+                if data:
+                    *lines, open_pipes[fd] = (open_pipes[fd] + data.decode()).split("\n")
+                    read += lines
+                else:
+                    del open_pipes[fd]
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()
+    assert read == [f"{name} {i}" for i in range(10) for name in ("out", "err")]
+
+
 def _leaves_a_child_holding_stdout():
     import subprocess
 

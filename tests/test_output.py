@@ -278,3 +278,43 @@ def test_a_flooding_rank_completes_and_shows_its_last_line(no_leftovers):
     assert "[rank 0] flood line 99999" in shown and "[rank 1] flood line 99999" in shown
     assert "lines of rank 0 elided" in shown
     assert len(shown) < 2_000_000  # 200,000 lines (~5 MB) were paced down
+
+
+BAR_CELL = """\
+%%ddp --cpus 2 --output 0
+import time
+{imports}
+print("before")
+for i in tqdm(range(30)):
+    time.sleep(0.1)
+print("after")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.kernel
+@pytest.mark.parametrize("imports, notebook_imports", [
+    ("from tqdm import tqdm", ""),
+    ("from tqdm.auto import tqdm", ""),
+    ("", "from tqdm.auto import tqdm"),  # the notebook's bar class, sent to the ranks
+    ("", "from tqdm.notebook import tqdm"),  # a widget bar in the notebook: a text bar in a rank
+])
+def test_a_tqdm_bar_in_a_rank_is_redrawn_while_it_runs_between_its_prints(imports, notebook_imports, no_leftovers):
+    from nbrun import kernel
+
+    with kernel() as (_km, kc):
+        if notebook_imports:
+            kc.execute_interactive(notebook_imports, timeout=60)
+        streams = []
+        reply = kc.execute_interactive(BAR_CELL.format(imports=imports), timeout=120, output_hook=lambda msg: (
+            streams.append((msg["content"]["name"], msg["content"]["text"])) if msg["msg_type"] == "stream" else None))
+    assert reply["content"]["status"] == "ok"
+    assert streams[0] == ("stdout", "[rank 0] before\n") and streams[-1] == ("stdout", "[rank 0] after\n")
+    bar = streams[1:-1]
+    assert {name for name, _ in bar} == {"stderr"}
+    counts = [int(re.search(r"(\d+)/30", text).group(1)) for _, text in bar]
+    # Each message one redraw, sent as the bar moved (a 3 s bar, five flushes a second), in order, each overwriting
+    # the one before; the last one ends the line (tqdm's close draws 30/30 once more).
+    assert len(set(counts)) >= 5 and counts == sorted(counts) and counts[-1] == 30
+    assert all(text.startswith("\r[rank 0] ") for _, text in bar[1:]) and bar[-1][1].endswith("\n")
+    assert _render("".join(text for _, text in bar)) == bar[-1][1].strip("\r\n").rstrip() + "\n"

@@ -5,9 +5,17 @@ prints in a tight loop must not trip that nor freeze the page.  Lines are
 gathered and written at most ``rate`` times a second, within a byte budget;
 when a batch is over budget its oldest lines are elided and the cell says how
 many.  The newest lines are always kept, and the final flush shows the tail.
+
+A rank's stdout and stderr lines keep the order they arrived in.  A line a rank
+redraws after ``\r`` (a tqdm bar) is shown at the same pace while it is drawn:
+each flush writes its newest state, labelled, after ``\r`` (Jupyter's stream
+output, like a terminal, overwrites the line).  One line can be redrawn: with
+several ranks drawing at once it shows the newest redraw of any.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import sys
 import threading
@@ -37,8 +45,9 @@ class OutputRelay:
         self.interval = interval
         self.budget = int(bytes_per_second * interval)
         self._clock = clock
-        self._pending: dict[str, list[tuple[int, str]]] = {"stdout": [], "stderr": []}
-        self._partial: dict[tuple[int, str], str] = {}
+        self._pending: list[tuple[str, int, str]] = []  # (stream, rank, line): whole lines in arrival order
+        self._partial: dict[tuple[int, str], str] = {}  # (rank, stream): its line not ended yet (unended_line)
+        self._open: tuple[str, str] | None = None  # (stream, text): the redrawn line written without its newline
         self._last_flush = clock()
         self.elided = 0
         self.lines_seen = 0
@@ -76,13 +85,11 @@ class OutputRelay:
         if self.ranks is not None and rank not in self.ranks and rank >= 0:
             return
         text = self._partial.pop((rank, stream), "") + data.decode("utf-8", "replace")
-        # A progress bar redraws its line after "\r": only what a terminal would show is kept, so a
-        # line that is never ended cannot grow without bound.
-        lines = [_last_drawn(line) for line in text.split("\n")]
+        lines = text.split("\n")
         if lines[-1]:
-            self._partial[(rank, stream)] = lines[-1]
+            self._partial[(rank, stream)] = unended_line(lines[-1])  # (last: the newest drawn)
         prefix = _label(rank) + " "
-        self._pending[stream].extend((rank, prefix + line + "\n") for line in lines[:-1])
+        self._pending.extend((stream, rank, prefix + shown_line(line) + "\n") for line in lines[:-1])
         self.lines_seen += len(lines) - 1
 
     def maybe_flush(self) -> None:
@@ -92,35 +99,76 @@ class OutputRelay:
     def flush(self, final: bool = False) -> None:
         if final:
             for (rank, stream), rest in sorted(self._partial.items()):
-                self._pending[stream].append((rank, f"{_label(rank)} {rest}\n"))
+                if not rest.startswith("\r") or rest.strip():  # (a bar that cleared its line has left nothing)
+                    self._pending.append((stream, rank, f"{_label(rank)} {rest.strip(chr(13))}\n"))
             self._partial.clear()
         self._last_flush = self._clock()
-        for name, lines in self._pending.items():
-            if lines:
-                self._pending[name] = []
-                self._write(name, lines, final)
+        lines, self._pending = self._pending, []
+        writes = self._within_budget(lines) if lines else []
+        redrawn = None if final else self._redrawn_line()
+        if self._open is not None and (writes or redrawn != self._open):
+            writes = self._leave_open_line(writes, redrawn)
+        if redrawn is not None and redrawn != self._open:
+            writes.append(redrawn)
+            self._open = redrawn
+        if writes:
+            self._write(writes, final)
 
-    def _write(self, name: str, lines: list[tuple[int, str]], final: bool = False) -> None:
-        # Each rank gets an equal share of the budget and keeps its newest lines.
-        ranks = sorted({rank for rank, _ in lines})
+    def _redrawn_line(self) -> tuple[str, str] | None:
+        """(stream, labelled text) of the newest line being redrawn after "\r" and not blank, if any."""
+        for (rank, stream), partial in reversed(self._partial.items()):
+            if partial.startswith("\r") and partial.strip():
+                return stream, f"{_label(rank)} {partial.strip(chr(13))}"
+        return None
+
+    def _leave_open_line(self, writes: list[tuple[str, str]],
+                         redrawn: tuple[str, str] | None) -> list[tuple[str, str]]:
+        """``writes``, first moving off the open (redrawn) line: the next line written to its stream overwrites
+        it, padded to its width (as tqdm pads its own redraws); output to the other stream ends it where it is."""
+        stream, shown = self._open
+        self._open = None
+        if writes and writes[0][0] == stream:
+            return [(stream, "\r" + writes[0][1][:-1].ljust(len(shown)) + "\n"), *writes[1:]]
+        if writes:
+            return [(stream, "\n"), *writes]
+        if redrawn is not None and redrawn[0] == stream:
+            self._open = redrawn
+            return [(stream, "\r" + redrawn[1].ljust(len(shown)))]
+        return [(stream, "\r" + " " * len(shown) + "\r")]  # the bar cleared its line, or moved to the other stream
+
+    def _within_budget(self, lines: list[tuple[str, int, str]]) -> list[tuple[str, str]]:
+        """(stream, line) to write: each rank gets an equal share of the budget and keeps its newest lines; a line
+        says how many older ones were elided."""
+        ranks = sorted({rank for _, rank, _ in lines})
         share = self.budget // len(ranks)
         keep, dropped, used = [False] * len(lines), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
         for i in range(len(lines) - 1, -1, -1):
-            rank, line = lines[i]
+            _, rank, line = lines[i]
             if used[rank] + len(line) <= share or used[rank] == 0:
                 used[rank] += len(line)
                 keep[i] = True
             else:
                 used[rank] = share + 1  # once over budget, everything older goes
                 dropped[rank] += 1
-        out = [f"[ddp_notebook] ... {dropped[r]} lines of {_label(r)[1:-1]} elided (output rate limit) ...\n"
-               for r in ranks if dropped[r]]
         self.elided += sum(dropped.values())
-        out += [line for (_, line), kept in zip(lines, keep) if kept]
-        stream = self._streams[name] or (sys.stdout if name == "stdout" else sys.stderr)
-        stream.write("".join(out))
-        if not (final and _kernel_flushes(stream)):
-            stream.flush()
+        notices = [(lines[0][0], f"[ddp_notebook] ... {dropped[r]} lines of {_label(r)[1:-1]} elided "
+                                 f"(output rate limit) ...\n") for r in ranks if dropped[r]]
+        return notices + [(stream, line) for (stream, _, line), kept in zip(lines, keep) if kept]
+
+    def _write(self, writes: list[tuple[str, str]], final: bool = False) -> None:
+        # What goes to one stream in a row is written at once; each stream is flushed before the other is written,
+        # so that they reach the notebook in order.
+        runs: list[tuple[TextIO, str]] = []
+        for name, texts in itertools.groupby(writes, key=operator.itemgetter(0)):
+            stream = self._streams[name] or (sys.stdout if name == "stdout" else sys.stderr)
+            text = "".join(text for _, text in texts)
+            if runs and runs[-1][0] is stream:  # (both streams may be one, a background job's log)
+                text = runs.pop()[1] + text
+            runs.append((stream, text))
+        for i, (stream, text) in enumerate(runs):
+            stream.write(text)
+            if not (final and i == len(runs) - 1 and _kernel_flushes(stream)):
+                stream.flush()
 
 
 def _kernel_flushes(stream) -> bool:
@@ -136,7 +184,17 @@ def _label(rank: int) -> str:
     return f"[rank {rank}]" if rank >= 0 else "[torchrun]"
 
 
-def _last_drawn(line: str) -> str:
+def unended_line(line: str) -> str:
+    """A line not ended yet, kept short: what a terminal shows of it, marked where it was redrawn after "\\r" (it
+    starts with "\\r"; it ends with one when the next write starts over at its beginning)."""
+    if "\r" not in line:
+        return line
+    return "\r" + shown_line(line) + ("\r" if line.endswith("\r") else "")
+
+
+def shown_line(line: str) -> str:
+    """What a terminal shows of a line redrawn after "\\r": its last drawing (a progress bar pads its redraws to
+    cover the one before)."""
     if "\r" not in line:
         return line
     segments = [segment for segment in line.split("\r") if segment]

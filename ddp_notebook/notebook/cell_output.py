@@ -14,6 +14,7 @@ import sys
 import threading
 import uuid
 
+from ..engine import output
 from ..wire import protocol
 
 
@@ -69,12 +70,15 @@ class CellLog:
     """Text written from any thread into one output under the cell that made it, updated in place.
 
     Keeps the newest ``max_lines`` lines (and says how many earlier ones left), so
-    the output stays bounded however long a background job prints.
+    the output stays bounded however long a background job prints.  A line not
+    ended yet shows as written so far, and one redrawn after ``\\r`` (a progress
+    bar) as its newest drawing, as in a terminal.
     """
 
     def __init__(self, max_lines: int = 200):
         self._lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         self._dropped = 0
+        self._unended = ""
         self._lock = threading.Lock()
         self._output = CellOutput({"text/plain": ""})
 
@@ -82,11 +86,13 @@ class CellLog:
         if not text:
             return
         with self._lock:
-            for line in text.splitlines():
+            *lines, unended = (self._unended + text).split("\n")
+            self._unended = output.unended_line(unended)
+            for line in lines:
                 if len(self._lines) == self._lines.maxlen:
                     self._dropped += 1
-                self._lines.append(line)
-            shown = "\n".join(self._lines)
+                self._lines.append(output.shown_line(line))
+            shown = "\n".join([*self._lines, output.shown_line(self._unended)] if self._unended else self._lines)
             if self._dropped:
                 shown = f"[ddp_notebook] ... {self._dropped} earlier lines not shown ...\n" + shown
             self._output.update({"text/plain": shown})

@@ -8,7 +8,9 @@ until a cell does:
   every open figure as ``image/png`` (:func:`send_figures`) and closes it.
 - IPython: :func:`install` puts a watcher on ``sys.meta_path`` that, the moment a
   cell imports ``IPython.display``, replaces its ``display`` (which, with no shell,
-  would only print ``<IPython.core.display.HTML object>``) by :func:`display`.
+  would only print ``<IPython.core.display.HTML object>``) by :func:`display`;
+  and the moment one imports ``tqdm.notebook`` (or unpickles a bar class of it
+  the notebook uses), makes its bars tqdm's text bars.
 
 The object's rich representations travel as one ``protocol.DISPLAY`` message;
 the notebook labels it with the rank and respects ``--output``.  Outside a
@@ -73,13 +75,27 @@ def display(*objs, include=None, exclude=None, metadata=None, raw=False, **_igno
     return None
 
 
-class _PatchDisplay(importlib.abc.MetaPathFinder):
-    """Once ``IPython.core.display_functions`` is imported, make its ``display`` this module's."""
+def _route_display(module) -> None:
+    module.display = display
 
-    TARGET = "IPython.core.display_functions"
+
+def _text_bars(module) -> None:
+    # A rank has no widgets (tqdm.notebook's bar would show once, as text, and never move): its bars are tqdm's
+    # text bars, which the notebook relays live.  tqdm.auto picks them in a rank by itself.
+    from tqdm import std
+
+    module.tqdm = module.tqdm_notebook = std.tqdm
+    module.trange = module.tnrange = std.trange
+
+
+class _Patch(importlib.abc.MetaPathFinder):
+    """Once a module of ``PATCHES`` is imported, patch it."""
+
+    PATCHES = {"IPython.core.display_functions": _route_display, "tqdm.notebook": _text_bars}
 
     def find_spec(self, name, path, target=None):
-        if name != self.TARGET:
+        patch = self.PATCHES.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -88,24 +104,26 @@ class _PatchDisplay(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run_module(module)
-            module.display = display
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install() -> None:
-    """Route a cell's ``display()`` to the notebook (costs nothing until a cell imports IPython.display).
+    """Route a cell's ``display()`` to the notebook, and make ``tqdm.notebook``'s bars text bars (costs nothing
+    until a cell imports IPython.display or tqdm.notebook).
 
     ``display`` is also a builtin, as in the notebook's kernel, so a cell may call it without an import.
     """
     builtins.__dict__.setdefault("display", display)
-    if any(isinstance(finder, _PatchDisplay) for finder in sys.meta_path):
+    if any(isinstance(finder, _Patch) for finder in sys.meta_path):
         return
-    loaded = sys.modules.get(_PatchDisplay.TARGET)
-    if loaded is not None:
-        loaded.display = display
-    sys.meta_path.insert(0, _PatchDisplay())
+    for name, patch in _Patch.PATCHES.items():
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            patch(loaded)
+    sys.meta_path.insert(0, _Patch())
 
 
 def send_figures() -> None:

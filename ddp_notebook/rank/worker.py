@@ -21,7 +21,7 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, display, replicas, stopping, timing
+from . import context, display, replicas, stopping, streams, timing
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -401,6 +401,7 @@ def forked_main(boot: dict, lifeline: int) -> None:
 def serve(boot: dict) -> None:
     """Connect to the notebook, join the process group, run tasks until told to exit; never returns."""
     sys.stdin = NoKeyboard()  # input() in a cell says why it cannot work, not "I/O operation on closed file"
+    streams.keep_in_order()
     sys.path[:] = boot["sys_path"]
     global _job_dir
     _job_dir = boot.get("job_dir")

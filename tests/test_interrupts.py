@@ -235,3 +235,31 @@ def test_stop_during_run_all_aborts_the_queued_cells_and_keeps_the_returned_name
         assert _print(kc, "print(type(model).__name__, 'saved' in dir())") == "Sequential False"
         _print(kc, "%ddp_stop")
         assert gone(pids, 10)
+
+
+def _compiled_ddp_over_a_loader():
+    import warnings
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddp_notebook
+    from ddp_notebook.rank import timing
+
+    model = torch.compile(DDP(torch.nn.Linear(8, 1)))
+    loader = ddp_notebook.distributed_loader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for (x,) in loader:
+            model(x).sum().backward()
+    stats = timing.take()
+    return [str(w.message) for w in caught if "hook" in str(w.message)], stats["batches"], stats["comm_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_of_a_ddp_model_over_a_loader_sees_no_global_module_hook(no_leftovers):
+    import ddp_notebook
+
+    # Before, the loader's all-reduce timing found DDP models through a global forward pre-hook, and torch.compile
+    # warned "Using `torch.compile(module)` when there are global hooks on modules".
+    assert ddp_notebook.launch(_compiled_ddp_over_a_loader, cpus=2) == [([], 3, True), ([], 3, True)]

@@ -9,12 +9,15 @@ Under torchrun, with no notebook to ask for a stop, nothing is exchanged.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 from ..wire import protocol
 from ..wire.errors import TrainingStopped
 from . import context
 
+FORWARD_CHECK_S = 0.05  # how often a loop of DDP forwards (with no other boundary) takes part in an agreement
+_MAX_PACE = 1000
 _requested: set = set()  # task ids the notebook asked to stop
 _lock = threading.Lock()
 _poll: Callable[[], None] | None = None
@@ -45,6 +48,9 @@ class _State:
         self.forwards = 0  # DDP training forwards
         self.boundaries = 0  # agreements taken part in
         self.boundaries_at_forward = 0  # ... as the last DDP training forward began
+        self.pace = 1  # forwards from one agreement at a forward to the next (agreed at the last one)
+        self.unchecked = 0  # forwards since the last agreement at a forward
+        self.checked_at: float | None = None
 
 
 def _state(ctx) -> _State | None:
@@ -71,7 +77,7 @@ def announce() -> None:
         context.send(protocol.STOPPABLE, {"task": state.task_id})
 
 
-def _agree(ctx, state: _State) -> bool:
+def _agree(ctx, state: _State, pace: int = 1) -> bool:
     import torch
     import torch.distributed as dist
 
@@ -82,12 +88,13 @@ def _agree(ctx, state: _State) -> bool:
         mine = state.task_id in _requested
     if not (dist.is_available() and dist.is_initialized()):
         return mine
-    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if mine else 0, pace], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_group(ctx))
-    return bool(flag.item())
+    stop, state.pace = flag.tolist()
+    return bool(stop)
 
 
-def at_boundary(where: dict) -> bool:
+def at_boundary(where: dict, pace: int = 1) -> bool:
     """True when every rank has agreed to stop here; ``where`` ({epoch, batch} or {step}) is then kept."""
     ctx = context.current()
     if ctx is None or ctx.sender is None:
@@ -96,7 +103,7 @@ def at_boundary(where: dict) -> bool:
     if state.agreed:
         return True
     state.boundaries += 1
-    if _agree(ctx, state):
+    if _agree(ctx, state, pace):
         state.agreed = True
         state.where = dict(where)
     return state.agreed
@@ -136,15 +143,27 @@ def should_stop() -> bool:
 
 def at_forward() -> None:
     """A DDP model's training forward is about to run (every rank runs it in step): a boundary unless another one
-    (a ``distributed_loader`` batch, ``should_stop()``) came since the last such forward, so a loop pays for one
-    agreement per step.  Raises :class:`TrainingStopped` once every rank agreed to stop: the cell ends there."""
+    (a ``distributed_loader`` batch, ``should_stop()``) came since the last such forward.  Raises
+    :class:`TrainingStopped` once every rank agreed to stop: the cell ends there.
+
+    Not every forward takes part in an agreement: each one also agrees on how many forwards to the next, about
+    ``FORWARD_CHECK_S`` of the slowest rank's steps, so a loop of small steps pays for one all-reduce per 50 ms."""
     ctx = context.current()
     if ctx is None or ctx.sender is None:
         return
     state = _state(ctx)
     state.forwards += 1
     if not state.agreed and state.boundaries == state.boundaries_at_forward:
-        at_boundary({"step": state.forwards - 1})
+        state.unchecked += 1
+        if state.unchecked >= state.pace:
+            pace = 1
+            if state.checked_at is not None:
+                per_forward = max((time.perf_counter() - state.checked_at) / state.unchecked, 1e-6)
+                pace = max(1, min(_MAX_PACE, int(FORWARD_CHECK_S / per_forward)))
+            at_boundary({"step": state.forwards - 1}, pace)
+            state.unchecked, state.checked_at = 0, time.perf_counter()
+    else:
+        state.unchecked, state.checked_at = 0, None
     state.boundaries_at_forward = state.boundaries
     if state.agreed:
         raise TrainingStopped()

@@ -3,9 +3,12 @@
 Listening sockets are read from the kernel's socket table (``/proc/net/tcp{,6}``), since a listener
 closed under a thread blocked in ``accept()`` goes on listening with no fd left.
 """
+import gc
+import os
 import socket
 import threading
 import time
+import tracemalloc
 import types
 
 import pytest
@@ -26,6 +29,10 @@ def _one():
 
 def _fails():
     raise ValueError("on purpose")
+
+
+def _length(data):
+    return len(data)
 
 
 def _sleeps():
@@ -103,3 +110,21 @@ def test_jobs_leave_no_thread_and_no_listening_port(no_leftovers):
     stopped.stop()
     assert stopped.status == "stopped"
     assert _settled(threads, before) == (threads, set())
+
+
+@pytest.mark.slow
+def test_a_finished_background_job_lets_go_of_what_it_sent_the_ranks(no_leftovers):
+    """A background job lives as long as something refers to it (in a notebook, Out[n]): its pickled task (8 MiB of
+    arguments here, pickled inline) goes when it ends, its results stay."""
+    assert ddp_notebook.launch(_length, args=(b"warm-up",), cpus=2, background=True).wait(timeout=60) == [7, 7]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        job = ddp_notebook.launch(_length, args=(os.urandom(8 << 20),), cpus=2, background=True)
+        assert job.wait(timeout=60) == [8 << 20] * 2
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert job.results == [8 << 20] * 2 and job.status == "done"
+    assert retained < 1 << 20, f"the finished job keeps {retained / 2**20:.1f} MiB"

@@ -61,6 +61,8 @@ def _run(kc, code: str) -> str:
             said.append(msg["content"]["text"])
         elif msg["msg_type"] == "error":
             said.append("\n".join(msg["content"]["traceback"]))
+        elif msg["msg_type"] == "display_data":
+            said.append(f"<display {' '.join(sorted(msg['content']['data']))}>")
 
     reply = kc.execute_interactive(code, timeout=120, output_hook=collect, stop_on_error=False)
     assert reply["content"]["status"] == "ok", (code, "".join(said))
@@ -95,6 +97,7 @@ def test_finished_background_jobs_let_go_of_their_dashboards_and_payloads(no_lef
             _background_job(kc, ran, cell, i)
         listed = _run(kc, "%ddp_jobs")
         probe = json.loads(_run(kc, "print(json.dumps(probe()))"))
+        redrawn = _run(kc, "from ddp_notebook.engine.job import background_jobs\nbackground_jobs()[-2].show()")
         _run(kc, "%ddp_stop")
     assert probe["views"] == 0 and probe["open_widgets"] == 0, probe
     assert not probe["blob_alive"], "a finished job keeps a notebook value it shipped after the notebook let go of it"
@@ -105,5 +108,6 @@ def test_finished_background_jobs_let_go_of_their_dashboards_and_payloads(no_lef
     assert probe["jobs"] == [["failed", 0] if cell is FAILS else ["done", int(cell is REPORTS)] for cell, _ in ran]
     assert probe["returned"] == [i * 10 if cell is REPORTS else None for cell, i in ran if cell is not FAILS]
     assert probe["errors"] == ["RankError"] * 3
+    assert redrawn == "<display image/png text/plain>"  # show(): the dashboard drawn again from the history
     failed = sum(cell is FAILS for cell, _ in ran)
     assert listed.count(": done, 2 ranks") == len(ran) - failed and listed.count(": failed, 2 ranks") == failed, listed

@@ -3,9 +3,12 @@
 Listening sockets are read from the kernel's socket table (``/proc/net/tcp{,6}``), since a listener
 closed under a thread blocked in ``accept()`` goes on listening with no fd left.
 """
+import gc
+import os
 import socket
 import threading
 import time
+import tracemalloc
 import types
 
 import pytest
@@ -26,6 +29,10 @@ def _one():
 
 def _fails():
     raise ValueError("on purpose")
+
+
+def _length(data):
+    return len(data)
 
 
 def _sleeps():
@@ -65,8 +72,9 @@ def test_a_channel_server_ends_its_threads_and_its_port_on_close():
     good.close()
 
 
-def test_a_view_added_after_the_job_ended_is_finished_at_once():
-    """A dashboard shown as the job ends must not tick (a thread) forever."""
+def test_a_view_added_after_the_job_ended_is_finished_at_once_and_finished_views_are_let_go():
+    """A dashboard shown as the job ends must not tick (a thread) forever; one finished is not kept (its figure and
+    outputs would live as long as the job: a background job is the cell's value, for the kernel's life)."""
 
     class Job:
         spec = types.SimpleNamespace(world_size=2)
@@ -84,9 +92,10 @@ def test_a_view_added_after_the_job_ended_is_finished_at_once():
     watcher = dashboard.Watcher(job)
     early, late = View(), View()
     watcher.add_view(early)
+    assert watcher.views == [early]
     watcher(job, "ended", -1, {"ok": True})
     watcher.add_view(late)
-    assert early.finished and late.finished and watcher.views == [early]
+    assert early.finished and late.finished and watcher.views == []
 
 
 @pytest.mark.slow
@@ -101,3 +110,21 @@ def test_jobs_leave_no_thread_and_no_listening_port(no_leftovers):
     stopped.stop()
     assert stopped.status == "stopped"
     assert _settled(threads, before) == (threads, set())
+
+
+@pytest.mark.slow
+def test_a_finished_background_job_lets_go_of_what_it_sent_the_ranks(no_leftovers):
+    """A background job lives as long as something refers to it (in a notebook, Out[n]): its pickled task (8 MiB of
+    arguments here, pickled inline) goes when it ends, its results stay."""
+    assert ddp_notebook.launch(_length, args=(b"warm-up",), cpus=2, background=True).wait(timeout=60) == [7, 7]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        job = ddp_notebook.launch(_length, args=(os.urandom(8 << 20),), cpus=2, background=True)
+        assert job.wait(timeout=60) == [8 << 20] * 2
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert job.results == [8 << 20] * 2 and job.status == "done"
+    assert retained < 1 << 20, f"the finished job keeps {retained / 2**20:.1f} MiB"

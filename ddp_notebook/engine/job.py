@@ -481,6 +481,7 @@ class Job(EventSource):
         return stacks.collect(self.group, list(self.targets))
 
     def run_in_background(self) -> "Job":
+        background_jobs()  # forgets the jobs no longer referred to
         _background_jobs.append(weakref.ref(self))
         self._thread = threading.Thread(target=self._run_quietly, name="ddp-job", daemon=True)
         self._thread.start()
@@ -572,8 +573,17 @@ class Job(EventSource):
             self.relay.flush(final=True)
             self.relay.close_logs()
             self.emit(protocol.ENDED, -1, {"ok": self._outcome[0] == "ok"})
-            for callback in self.on_done:
-                callback(self)
+            try:
+                for callback in self.on_done:
+                    callback(self)
+            finally:
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """The job has ended and said so: keep what it came to (status, results, history, logs), not what ran it.
+        A background job lives as long as the notebook refers to it (``Out[n]``), for hours."""
+        self.task = None  # the pickled cell or call: its names, the notebook's cell sources
+        self.on_done = []  # called once; the magic's hold the cell's names
 
 
 def last_job() -> Job | None:

@@ -485,7 +485,9 @@ class DisplayView:
             self._thread.join()
         if self.stop_button is not None:  # nothing left to stop: the button leaves the page and the saved notebook
             self.stop_output.update({"text/plain": ""})
-            self.stop_button.close()
+            # its layout and style are widgets too, kept by ipywidgets until closed (jupyter-widgets/ipywidgets#2308)
+            for widget in (self.stop_button, self.stop_button.layout, self.stop_button.style):
+                widget.close()
         self.refresh(final=True)
         _forget_fonts()
 
@@ -690,6 +692,9 @@ class Watcher:
         self.forwarder.send(updates)
         self.forwarder.close()
         self._tell_views("finish", updates)
+        # Their last drawing is in the page; each view's figure and outputs would otherwise live as long as the
+        # job does (a background job is the cell's value, Out[n]). show() draws again from the history.
+        self.views = []
 
     def _tell_views(self, method: str, updates: list[dict]) -> None:
         for view in list(self.views):

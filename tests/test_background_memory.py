@@ -40,7 +40,8 @@ def probe():
             "open_widgets": sum(isinstance(o, ipywidgets.Widget) and o.comm is not None for o in gc.get_objects()),
             "jobs": [[job.status, len(job.history)] for job in jobs],
             "returned": [job.results[0].values.get("x") for job in jobs if job.results],
-            "errors": [type(job.error).__name__ for job in jobs if job.error is not None]}
+            "errors": [type(job.error).__name__ for job in jobs if job.error is not None],
+            "logs": sorted({type(job.logs(0)).__name__ for job in jobs})}
 """
 # The same cell text every time (what changes is the notebook's i, shipped anew): the magic's caches of a cell's
 # syntax tree and names hold 16 cells, which would grow through the measured jobs.
@@ -108,6 +109,7 @@ def test_finished_background_jobs_let_go_of_their_dashboards_and_payloads(no_lef
     assert probe["jobs"] == [["failed", 0] if cell is FAILS else ["done", int(cell is REPORTS)] for cell, _ in ran]
     assert probe["returned"] == [i * 10 if cell is REPORTS else None for cell, i in ran if cell is not FAILS]
     assert probe["errors"] == ["RankError"] * 3
+    assert probe["logs"] == ["str"]  # job.logs(rank) of a %%ddp --background job (its cell's log had hidden it)
     assert redrawn == "<display image/png text/plain>"  # show(): the dashboard drawn again from the history
     failed = sum(cell is FAILS for cell, _ in ran)
     assert listed.count(": done, 2 ranks") == len(ran) - failed and listed.count(": failed, 2 ranks") == failed, listed

@@ -567,7 +567,7 @@ def background_relay(output_ranks: set[int] | None = None):
 
     log = CellLog(max_lines=50)  # a tail: the dashboard below it should not move far down
     relay = OutputRelay(log, log, ranks=output_ranks)
-    relay.log = log
+    relay.cell_log = log
     return relay
 
 
@@ -579,14 +579,14 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
             shell.user_ns.update(result.values)
             missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
             how = job.stopped_text or "done"
-            relay.log.write(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
-                            f"copied into the notebook{missing}\n")
+            relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
+                                 f"copied into the notebook{missing}\n")
         elif job.stopped_text:
-            relay.log.write(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
+            relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
         elif job.status == "failed":
-            relay.log.write(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
+            relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":
-            relay.log.write(f"[ddp_notebook] {job.error}\n")
+            relay.cell_log.write(f"[ddp_notebook] {job.error}\n")
 
     job.on_done.append(finished)
     try:

@@ -341,3 +341,123 @@ def test_an_export_into_a_folder_of_one_s_own_does_not_warn(tmp_path):
         exported = exporting.export(_exported_fn, str(private / "train.py"), args=(1,))
     assert sorted(os.listdir(private)) == ["train.manifest.json", "train.payload.pkl", "train.py"]
     assert stat.S_IMODE(os.stat(exported.script).st_mode) == 0o755
+
+
+# -- Slurm run files -------------------------------------------------------------------------------------
+
+def _slurm_ranks(run_dir: str, key: bytes):
+    """A Slurm backend of a 2-rank job 123 whose ranks may report through ``run_dir``, as after its submission;
+    what it tells the job is collected."""
+    from ddp_notebook.engine.runfiles import RunFiles
+    from ddp_notebook.engine.slurm import SlurmRanks
+    from ddp_notebook.engine.spec import JobSpec
+
+    ranks = SlurmRanks(JobSpec(world_size=2, backend="gloo"), relay=None)
+    told = []
+    ranks.attach(lambda rank, kind, body: told.append((rank, kind, body)), lambda rank, code: told.append((rank, code)))
+    ranks.job_id, ranks.run_dir, ranks.address = "123", run_dir, ("login", 4242)
+    ranks._files = RunFiles(run_dir, key=key)
+    return ranks, told
+
+
+def _write_records(path: str, records: list[dict]) -> None:
+    import json
+
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_forged_slurm_run_files_are_ignored_and_said(tmp_path, capsys):
+    import hashlib
+    import secrets
+
+    from ddp_notebook.wire import protocol
+
+    key = secrets.token_bytes(32)
+    run_dir = tmp_path / "123_ddp_notebook"
+    run_dir.mkdir(mode=0o700)
+    genuine, swapped = pickle.dumps("the rank's model"), pickle.dumps("someone else's object")
+    (run_dir / "result-rank0.pkl").write_bytes(genuine)
+    (run_dir / "result-rank1.pkl").write_bytes(swapped)
+    head = {"run": "abc", "node": 0, "time": 1.0}
+    metrics = str(run_dir / "metrics-node0.jsonl")
+    _write_records(metrics, [
+        protocol.signed_record({**head, "event": protocol.FILE_START, "world_size": 2}, key),
+        protocol.signed_record({**head, "event": protocol.METRIC, "rank": 0, "key": "loss", "values": [1.0]}, key),
+        {**head, "event": protocol.METRIC, "rank": 1, "key": "loss", "values": [666.0]},  # unsigned
+        protocol.signed_record({**head, "event": protocol.FAILED, "rank": 1, "etype": "X", "message": "forged",
+                                "traceback": "", "time": 1.0, "kind": "task"}, secrets.token_bytes(32)),
+        protocol.signed_record({**head, "event": protocol.FILE_RESULT, "rank": 0, "file": "result-rank0.pkl",
+                                "sha256": hashlib.sha256(genuine).hexdigest()}, key),
+        protocol.signed_record({**head, "event": protocol.FILE_RESULT, "rank": 1, "file": "result-rank1.pkl",
+                                "sha256": hashlib.sha256(genuine).hexdigest()}, key),  # its file was swapped
+    ])
+    ranks, told = _slurm_ranks(str(run_dir), key)
+    ranks._read_files()
+    assert ranks.mode == "files"
+    kinds = [(rank, kind) for rank, kind, *_ in told if isinstance(kind, str)]
+    assert kinds == [(-1, protocol.SCHEDULER), (0, protocol.METRIC), (0, protocol.RESULT)]
+    assert told[-1][2]["value"] == genuine
+    err = capsys.readouterr().err
+    assert f"records in {metrics} not signed with this job's key were ignored" in err
+    assert f"the result file {run_dir}/result-rank1.pkl is not the one its record names: not unpickled" in err
+
+
+def test_slurm_run_files_are_not_read_once_the_ranks_use_the_channel(tmp_path):
+    import secrets
+
+    from ddp_notebook.wire import protocol
+
+    key = secrets.token_bytes(32)
+    run_dir = tmp_path / "123_ddp_notebook"
+    run_dir.mkdir(mode=0o700)
+    ranks, told = _slurm_ranks(str(run_dir), key)
+    ranks.mode = "channel"  # a rank said READY over the channel
+    # Even records signed with the job's key: no rank of a channel job writes them.
+    _write_records(str(run_dir / "metrics-node0.jsonl"), [
+        protocol.signed_record({"event": protocol.FILE_START, "world_size": 2}, key),
+        protocol.signed_record({"event": protocol.FILE_EXIT, "rank": 0}, key)])
+    ranks._read_files()
+    assert told == [] and ranks.mode == "channel" and 0 not in ranks.exited
+
+
+def test_a_slurm_run_folder_another_user_made_is_not_read(other_user, capsys):
+    import secrets
+
+    from ddp_notebook.wire import protocol
+
+    key = secrets.token_bytes(32)
+    job_folder = tempfile.mkdtemp(prefix="ddpnb-sec-", dir="/tmp")
+    try:
+        os.chmod(job_folder, 0o777)  # a job folder of a shared group (submitit's folder under umask 002, say)
+        run_dir = os.path.join(job_folder, "123_ddp_notebook")
+
+        def plant():
+            os.mkdir(run_dir, 0o755)
+            _write_records(os.path.join(run_dir, "metrics-node0.jsonl"),
+                           [{"event": protocol.FILE_START, "world_size": 2}, {"event": protocol.FILE_EXIT, "rank": 0}])
+        run_as(other_user, plant)
+        ranks, told = _slurm_ranks(run_dir, key)
+        ranks._read_files()
+        assert told == [] and ranks.mode is None
+        assert f"{run_dir} belongs to {OTHER}, not to you: its files are not read" in capsys.readouterr().err
+    finally:
+        shutil.rmtree(job_folder)
+
+
+def test_a_rank_refuses_a_signed_run_folder_another_user_made(other_user):
+    from ddp_notebook.rank import torchrun
+
+    job_folder = tempfile.mkdtemp(prefix="ddpnb-sec-", dir="/tmp")
+    try:
+        os.chmod(job_folder, 0o1777)
+        run_dir = os.path.join(job_folder, "123_ddp_notebook")
+        run_as(other_user, lambda: os.mkdir(run_dir, 0o777))
+        with pytest.raises(RuntimeError, match=rf"the run folder {run_dir} belongs to {OTHER}: the run's metrics and "
+                                               rf"results go only into a folder of yours"):
+            torchrun._run_folder(run_dir, strict=True)
+        made = os.path.join(job_folder, "124_ddp_notebook")
+        torchrun._run_folder(made, strict=True)
+        assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+    finally:
+        shutil.rmtree(job_folder)

@@ -235,7 +235,8 @@ def test_wait_and_force_flags_are_checked_before_anything_starts(no_leftovers):
 def test_wait_gives_up_after_its_minutes_naming_how_many_are_taken(server, capsys):
     other = _holder(fake_nvml.UUIDS)
     try:
-        with pytest.raises(LaunchError, match=r"1 GPU did not become free within 0.001 min \(8 of 8 busy or reserved\)"):
+        with pytest.raises(LaunchError, match=rf"1 GPU did not become free within 0.001 min \(8 of 8 busy or reserved; "
+                                              rf"reserved: GPU 0, 1, 2, 3, 4, 5, 6, 7: \w+'s -c \(pid {other.pid}\) "):
             job_spec.resolve_devices(1, wait=0.001)
         assert "waiting for 1 GPU: 8 busy — 0:00:00" in capsys.readouterr().err
     finally:

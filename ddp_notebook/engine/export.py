@@ -15,11 +15,16 @@ Notebook side; the versions are read the same way on both sides.
 """
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pickle
+import pwd
+import stat
 import sys
+import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -75,6 +80,56 @@ def paths(script: str) -> dict[str, str]:
     return {"payload": stem + ".payload.pkl", "manifest": stem + ".manifest.json", "arrays": stem + ".arrays.bin"}
 
 
+def _new_temp(directory: str, name: str, mode: int = 0o600) -> tuple[int, str]:
+    """A new file of this process's beside ``name``, under a name no one can guess: (its descriptor, its path).
+    Made with ``O_EXCL`` and never through a link (:func:`tempfile.mkstemp`), so a file another user put there
+    first is never written, and its owner cannot read or swap what is."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(name)}.", suffix=".tmp")
+    if mode != 0o600:
+        os.fchmod(fd, mode)  # ours, just made
+    return fd, path
+
+
+class ExportFolderWarning(UserWarning):
+    """The folder of an export is writable by other users."""
+
+
+def _warn_if_shared(directory: str) -> None:
+    """Warn when other users may write in the export's folder: they could replace or remove its files (the
+    payload every rank unpickles) between the export and its run.  A group of the owner alone (a user private
+    group) is no other user."""
+    st = os.stat(directory)
+    owner = _user(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid)
+        own_group = group.gr_name == owner and set(group.gr_mem) <= {owner}
+    except KeyError:
+        own_group = False
+    who = "every user" if st.st_mode & stat.S_IWOTH else \
+        "its group" if st.st_mode & stat.S_IWGRP and not own_group else None
+    if who is not None:
+        warnings.warn(f"ddp_notebook: {who} may write in {directory} (mode {stat.S_IMODE(st.st_mode):o}): another "
+                      f"user could replace the export's files before it runs (the payload is code every rank runs); "
+                      f"export into a folder only you can write", ExportFolderWarning, stacklevel=2)
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _put(temp: str, path: str) -> None:
+    """Give the file ``temp`` its name ``path``; another user's file there (a sticky folder) is named."""
+    try:
+        os.replace(temp, path)
+    except PermissionError:
+        st = os.lstat(path)
+        raise LaunchError(f"--export: cannot replace {path}: it is {_user(st.st_uid)}'s, in a folder where only its "
+                          f"owner may replace it; export to another path") from None
+
+
 class _ArrayFile(sharing.Store):
     """The pickler's store for an export: big arrays are appended to one file beside the payload.
 
@@ -82,9 +137,10 @@ class _ArrayFile(sharing.Store):
     it copy-on-write (:func:`ddp_notebook.wire.sharing.map_export_arrays`); the notebook's own memory is never moved.
     """
 
-    def __init__(self, path: str, name: str):
+    def __init__(self, directory: str, name: str):
         super().__init__(via_proc=False)
-        self.path = path  # written here, then renamed to ``name`` beside the payload
+        self.directory = directory
+        self.path: str | None = None  # written here (made on the first array), then renamed to ``name``
         self.name = name
         self.size = 0
         self._fd: int | None = None
@@ -94,7 +150,7 @@ class _ArrayFile(sharing.Store):
 
     def copy_block(self, addr: int, nbytes: int) -> tuple:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._fd, self.path = _new_temp(self.directory, self.name)
         offset = (self.size + sharing.ALIGN - 1) // sharing.ALIGN * sharing.ALIGN
         sharing.write_at(self._fd, addr, nbytes, offset)
         self.size = offset + nbytes
@@ -136,8 +192,9 @@ def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None 
     files = paths(script)
     label = task_label(task)
     run_dir = os.path.abspath(os.path.expanduser(os.fspath(run_dir))) if run_dir is not None else None
-    tmp = f".tmp{os.getpid()}"
-    store = _ArrayFile(files["arrays"] + tmp, os.path.basename(files["arrays"]))
+    _warn_if_shared(directory)
+    store = _ArrayFile(directory, os.path.basename(files["arrays"]))
+    temps = []  # made here: removed unless renamed to their names
     try:
         try:
             data = payload.dumps_with(task, store)
@@ -145,17 +202,21 @@ def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None 
             store.close()
             payload.dumps(task, share=False)  # names the notebook object that cannot be pickled, if it is one
             raise
+        finally:
+            if store.path is not None:
+                temps.append(store.path)
         has_arrays = store.close()
         run = {"format": FORMAT, "task": data, "arrays": os.path.basename(files["arrays"]) if has_arrays else None,
                "seed": seed, "timeout": timeout, "backend": backend, "notebook": notebook, **(rank_options or {})}
-        fd = os.open(files["payload"] + tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold a job key
+        fd, payload_tmp = _new_temp(directory, files["payload"])  # 0600: it may hold a job key
+        temps.append(payload_tmp)
         with os.fdopen(fd, "wb") as f:
             pickle.dump(run, f, protocol=4)
         if has_arrays:
-            os.replace(files["arrays"] + tmp, files["arrays"])
+            _put(store.path, files["arrays"])
         elif os.path.exists(files["arrays"]):
             os.unlink(files["arrays"])  # from an earlier export to this path
-        os.replace(files["payload"] + tmp, files["payload"])
+        _put(payload_tmp, files["payload"])
         manifest = {
             "format": FORMAT, "versions": versions(), "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             "payload": os.path.basename(files["payload"]), "run_dir": run_dir, "label": label,
@@ -163,17 +224,20 @@ def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None 
             # Where the notebook imports from: modules it uses by name are found there on a host that has them.
             "sys_path": [p or os.getcwd() for p in sys.path],
         }
-        with open(files["manifest"] + tmp, "w") as f:
+        fd, manifest_tmp = _new_temp(directory, files["manifest"], 0o644)
+        temps.append(manifest_tmp)
+        with os.fdopen(fd, "w") as f:
             json.dump(manifest, f, indent=1)
-        os.replace(files["manifest"] + tmp, files["manifest"])
-        with open(script + tmp, "w") as f:
+        _put(manifest_tmp, files["manifest"])
+        fd, script_tmp = _new_temp(directory, script, 0o755)
+        temps.append(script_tmp)
+        with os.fdopen(fd, "w") as f:
             f.write(_script_text(os.path.basename(files["manifest"]), label, manifest))
-        os.chmod(script + tmp, 0o755)
-        os.replace(script + tmp, script)
+        _put(script_tmp, script)
     finally:
-        for leftover in (files["arrays"], files["payload"], files["manifest"], script):
-            if os.path.exists(leftover + tmp):
-                os.unlink(leftover + tmp)
+        for leftover in temps:
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return Exported(script, files["payload"], files["manifest"], files["arrays"] if has_arrays else None, run_dir)
 
 

@@ -8,8 +8,11 @@ a few times a second, as they grow.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import pwd
+import stat
 
 from ..wire import protocol
 from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX
@@ -43,29 +46,86 @@ class Tail:
 
 
 class RunFiles:
-    """The records the nodes of runs in ``run_dir`` have appended since the last call (every run's)."""
+    """The records the nodes of runs in ``run_dir`` have appended since the last call (every run's).
 
-    def __init__(self, run_dir: str):
+    With ``key`` (a Slurm job's: the notebook's channel key), the folder is read only while it is a folder of this
+    user's that no other user may write in, a record counts only when signed with the key
+    (:func:`~ddp_notebook.wire.protocol.verified_record`), and a result only when its file is the one its record
+    names (SHA-256): nothing anyone else wrote is believed or unpickled.  ``problems``: what was refused, once each.
+    """
+
+    def __init__(self, run_dir: str, key: bytes | None = None):
         self.run_dir = run_dir
+        self.key = key
+        self.problems: list[str] = []
         self._tails: dict[str, Tail] = {}
 
+    def _refuse(self, problem: str) -> None:
+        if problem not in self.problems:
+            self.problems.append(problem)
+
+    def _trusted(self) -> bool:
+        try:
+            st = os.lstat(self.run_dir)
+        except FileNotFoundError:
+            return False
+        problem = None
+        if not stat.S_ISDIR(st.st_mode):
+            problem = f"{self.run_dir} is not a folder"
+        elif st.st_uid != os.geteuid():
+            problem = f"{self.run_dir} belongs to {_user(st.st_uid)}, not to you"
+        elif st.st_mode & 0o022:
+            problem = f"other users may write in {self.run_dir} (mode {stat.S_IMODE(st.st_mode):o})"
+        if problem is not None:
+            self._refuse(f"{problem}: its files are not read")
+        return problem is None
+
     def new_records(self) -> list[dict]:
+        if self.key is not None and not self._trusted():
+            return []
         pattern = os.path.join(glob.escape(self.run_dir), f"{METRICS_PREFIX}*{METRICS_SUFFIX}")
         for path in sorted(glob.glob(pattern)):
             self._tails.setdefault(path, Tail(path))
         records = []
         for tail in self._tails.values():
+            forged = 0
             for raw in tail.read():
                 try:
-                    records.append(json.loads(raw))
+                    record = json.loads(raw)
                 except ValueError:
                     continue  # not a line of ours
+                if self.key is not None:
+                    record = protocol.verified_record(record, self.key) if isinstance(record, dict) else None
+                    if record is None:
+                        forged += 1
+                        continue
+                records.append(record)
+            if forged:
+                self._refuse(f"records in {tail.path} not signed with this job's key were ignored")
         return records
 
-    def result(self, record: dict) -> bytes:
-        """The pickled return value a ``FILE_RESULT`` record points to."""
-        with open(os.path.join(self.run_dir, os.path.basename(record["file"])), "rb") as f:
-            return f.read()
+    def result(self, record: dict) -> bytes | None:
+        """The pickled return value a ``FILE_RESULT`` record points to; None (with a problem) when its file is not
+        the one the record names."""
+        path = os.path.join(self.run_dir, os.path.basename(record["file"]))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            self._refuse(f"the result file {path} cannot be read: {exc.strerror}")
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        if self.key is not None and hashlib.sha256(data).hexdigest() != record.get("sha256"):
+            self._refuse(f"the result file {path} is not the one its record names: not unpickled")
+            return None
+        return data
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def message_of(record: dict) -> tuple[str, int, dict] | None:

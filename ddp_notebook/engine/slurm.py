@@ -189,6 +189,7 @@ class SlurmRanks(ChannelRanks):
         self.task_id = 0
         self.address: tuple[str, int] | None = None
         self._files: RunFiles | None = None
+        self._told_problems = 0
         self._logs: dict[tuple[int, str], _LogTail] = {}
         self._next_queue_poll = 0.0
         self._next_log_poll = 0.0
@@ -223,7 +224,7 @@ class SlurmRanks(ChannelRanks):
         self.submitted_at = time.time()
         folder = str(self.job.paths.folder)
         self.run_dir = protocol.slurm_run_dir(folder, self.job_id)
-        self._files = RunFiles(self.run_dir)
+        self._files = RunFiles(self.run_dir, key=self.channel.key)  # only records signed with this job's key
         for rank in range(self.spec.world_size):
             for stream, suffix in (("stdout", "out"), ("stderr", "err")):
                 self._logs[(rank, stream)] = _LogTail(os.path.join(folder, f"{self.job_id}_{rank}_log.{suffix}"))
@@ -298,7 +299,9 @@ class SlurmRanks(ChannelRanks):
         super().handle(rank, kind, body)
 
     def _read_files(self) -> None:
-        if self._files is None or not os.path.isdir(self.run_dir):
+        """The ranks' records in the run folder, read until the ranks have shown they use the channel: from then on
+        no file there is read (it could only be someone else's)."""
+        if self._files is None or self.mode == "channel":
             return
         for record in self._files.new_records():
             event, rank = record.get("event"), record.get("rank", -1)
@@ -313,10 +316,15 @@ class SlurmRanks(ChannelRanks):
                     self.ready.add(rank)
                 self._on_message(rank, kind, {**body, "task": self.task_id})
             elif event == protocol.FILE_RESULT:
-                self._on_message(rank, protocol.RESULT, {"task": self.task_id, "value": self._files.result(record)})
+                value = self._files.result(record)
+                if value is not None:
+                    self._on_message(rank, protocol.RESULT, {"task": self.task_id, "value": value})
             elif event == protocol.FILE_EXIT and rank not in self.exited:
                 self.exited[rank] = None if record.get("lost") else 0
                 self._on_exit(rank, self.exited[rank])
+        for problem in self._files.problems[self._told_problems:]:
+            print(f"ddp_notebook: Slurm job {self.job_id}: {problem}", file=sys.stderr)
+        self._told_problems = len(self._files.problems)
 
     def check_exits(self) -> None:
         """Ranks on the channel end with their connection (unless they went over to the files)."""

@@ -199,7 +199,8 @@ def _wait_in_line(n: int, minutes: float, started: float):
             available = gpu_discovery.discover()
             held = reservations.holders([g.lock_name for g in available])
             usable = [g for g in available if held[g.lock_name] is None and not g.busy]
-            if len(usable) >= n and line.my_turn():
+            my_turn = line.my_turn()  # also says who is ahead in line, for the status line
+            if len(usable) >= n and my_turn:
                 ranked = gpu_discovery.least_busy(usable, len(usable))
                 reservation = reservations.reserve_any([g.lock_name for g in ranked], n)
                 if reservation is not None:
@@ -208,10 +209,17 @@ def _wait_in_line(n: int, minutes: float, started: float):
                           file=sys.stderr, flush=True)
                     return available, reservation
             waited = time.monotonic() - started
+            ahead = f"; ahead in line: {line.ahead.describe()}" if line.ahead else ""
             if waited > minutes * 60:
+                by_holder: dict[str, list[str]] = {}
+                for g in available:
+                    if held[g.lock_name] is not None:
+                        by_holder.setdefault(held[g.lock_name].describe(), []).append(str(g.index))
+                reserved = "; ".join(f"GPU {', '.join(indices)}: {who}" for who, indices in by_holder.items())
                 raise LaunchError(f"{n} GPU{'s' if n != 1 else ''} did not become free within {minutes:g} min "
-                                  f"({len(available) - len(usable)} of {len(available)} busy or reserved)")
-            print(f"\rwaiting for {n} GPU{'s' if n != 1 else ''}: {len(available) - len(usable)} busy — "
+                                  f"({len(available) - len(usable)} of {len(available)} busy or reserved"
+                                  + (f"; reserved: {reserved}" if reserved else "") + f"{ahead})")
+            print(f"\rwaiting for {n} GPU{'s' if n != 1 else ''}: {len(available) - len(usable)} busy{ahead} — "
                   f"{_clock(waited)}", end="", file=sys.stderr, flush=True)
             time.sleep(WAIT_POLL_S)
 

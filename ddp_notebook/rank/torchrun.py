@@ -22,12 +22,16 @@ Rank side: no IPython here.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pickle
+import pwd
 import shutil
 import socket
+import stat
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -96,6 +100,7 @@ def _node() -> int:
 
 def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
     notebook = run.get("notebook")
+    key = bytes.fromhex(notebook["key"]) if notebook is not None else None  # signs the run files the notebook reads
     files_if_unreachable = notebook is not None and notebook.get("files_if_unreachable", False)
     sender = finished = None
     if notebook is not None:
@@ -124,7 +129,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
                 _leave_notebook(sender, finished, unreached, ctx.extra.get("unreached_why"), run_dir)
                 sender = finished = notebook = None
         if notebook is None:
-            log = NodeLog(ctx, run_dir, keep_results=run.get("results_to_files", False))
+            log = NodeLog(ctx, run_dir, keep_results=run.get("results_to_files", False), key=key)
             ctx.sender = log.sender
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is told
         failure = worker.failure_report(exc, {}, kind="startup")
@@ -279,7 +284,7 @@ class NodeLog:
     the process group (one ``all_gather_object`` at start).
     """
 
-    def __init__(self, ctx: context.RankContext, run_dir: str, keep_results: bool = False):
+    def __init__(self, ctx: context.RankContext, run_dir: str, keep_results: bool = False, key: bytes | None = None):
         import torch.distributed as dist
 
         self.ctx = ctx
@@ -297,13 +302,13 @@ class NodeLog:
             run_id = gathered[0]["run"]  # global rank 0 is local rank 0 of node 0
             host = next(g for g in gathered if g is not None and g["node"] == self.node)
             if server is not None:
-                os.makedirs(run_dir, exist_ok=True)
+                _run_folder(run_dir, strict=key is not None)
                 head = {"run": run_id, "node": self.node}
                 start = {"event": protocol.FILE_START, "world_size": ctx.world_size,
                          "nnodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
                          "local_world_size": ctx.local_world_size, "host": socket.gethostname()}
                 self._writer = _Writer(server, metrics_path(run_dir, self.node), head, start, ctx.local_world_size,
-                                       keep_results)
+                                       keep_results, key)
         except BaseException:
             if server is not None and self._writer is None:
                 server.close()
@@ -326,6 +331,41 @@ class NodeLog:
         self._conn.close()
 
 
+def _run_folder(path: str, strict: bool) -> None:
+    """Make the run folder, readable by this user alone.  ``strict`` (a notebook reads it with the job's key): a
+    folder already there must be this user's, and no other user may write in it."""
+    try:
+        os.makedirs(path, 0o700)
+        return
+    except FileExistsError:
+        if not strict:
+            return  # an export's own folder (beside the script, or --run-dir): its files are made afresh
+    st = os.lstat(path)
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a folder"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to {_user(st.st_uid)}"
+    elif st.st_mode & 0o022:
+        problem = f"may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem is not None:
+        raise RuntimeError(f"the run folder {path} {problem}: the run's metrics and results go only into a folder "
+                           f"of yours; remove it, or give another --run-dir")
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _new_file(path: str) -> tuple[int, str]:
+    """A new file (0600, a name no one can guess) beside ``path``, to be renamed to it once written."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".new")
+    return fd, tmp
+
+
 class _Writer:
     """Local rank 0's thread that appends the node's events to its metrics file.
 
@@ -336,14 +376,14 @@ class _Writer:
     """
 
     def __init__(self, server: channel.ChannelServer, path: str, head: dict, start: dict, local_world_size: int,
-                 keep_results: bool = False):
+                 keep_results: bool = False, key: bytes | None = None):
         self.server = server
         self.keep_results = keep_results  # each rank's return value to result-rank<R>.pkl beside the file
+        self.key = key  # each record signed with it (protocol.signed_record): the notebook reads only those
         self.head = head
         self.local_world_size = local_world_size
         self.path = path
-        tmp = f"{path}.{os.getpid()}.new"
-        self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        self.fd, tmp = _new_file(path)
         os.replace(tmp, path)
         self.lines: list[bytes] = []
         self.conns: dict = {}  # connection -> rank (-1 until its hello)
@@ -359,7 +399,10 @@ class _Writer:
         self._thread.start()
 
     def _line(self, record: dict) -> None:
-        self.lines.append((json.dumps({**self.head, "time": time.time(), **record}) + "\n").encode())
+        record = {**self.head, "time": time.time(), **record}
+        if self.key is not None:
+            record = protocol.signed_record(record, self.key)
+        self.lines.append((json.dumps(record) + "\n").encode())
 
     def _flush(self, sync: bool = False) -> None:
         if self.lines:
@@ -410,7 +453,8 @@ class _Writer:
                         self._line({"event": protocol.PROGRESS, "rank": rank, "done": body["done"], "total": body["total"]})
                 elif kind == protocol.RESULT and self.keep_results:
                     self._line({"event": protocol.FILE_RESULT, "rank": rank,
-                                "file": self._keep(protocol.result_name(rank), body["value"])})
+                                "file": self._keep(protocol.result_name(rank), body["value"]),
+                                "sha256": hashlib.sha256(body["value"]).hexdigest()})
                 elif kind == protocol.FAILED:
                     self.failed = True
                     self._line({"event": protocol.FAILED, "rank": rank, **{k: body[k] for k in
@@ -429,11 +473,12 @@ class _Writer:
     def _keep(self, name: str, data: bytes) -> str:
         """Write a file beside the metrics file, whole before it has its name."""
         path = os.path.join(os.path.dirname(self.path), name)
-        with open(f"{path}.{os.getpid()}.new", "wb") as f:
+        fd, tmp = _new_file(path)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(f"{path}.{os.getpid()}.new", path)
+        os.replace(tmp, path)
         return name
 
     def finish(self, wait: float | None) -> None:

@@ -7,6 +7,9 @@ events it adds itself (``STARTED``, ``EXITED``, ``ENDED``).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
 from typing import Any
 
@@ -49,7 +52,8 @@ METRICS_PREFIX, METRICS_SUFFIX = "metrics-node", ".jsonl"
 FILE_START = "start"  # {world_size, ...}: the first record of a node
 FILE_EXIT = "exit"  # {rank[, lost]}: a rank left (lost: its connection broke)
 FILE_END = "end"  # {ok}: the node's last record
-FILE_RESULT = "result"  # {rank, file}: the rank's pickled return value is in that file of the run directory
+FILE_RESULT = "result"  # {rank, file, sha256}: the rank's pickled return value is in that file of the run directory
+RECORD_MAC = "mac"  # a record of a run with a notebook's key (a Slurm job's): HMAC-SHA256 of the rest, by that key
 RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
 SLURM_RUN_SUFFIX = "_ddp_notebook"  # a Slurm job's run directory: <job folder>/<job id>_ddp_notebook
 
@@ -67,6 +71,24 @@ def metrics_path(run_dir: str, node: int) -> str:
 def result_name(rank: int) -> str:
     """The file (in the run directory) that holds a rank's pickled return value, for runs that keep them."""
     return f"result-rank{rank}.pkl"
+
+
+def signed_record(record: dict, key: bytes) -> dict:
+    """``record`` with its MAC by the job's ``key``, as a run file carries it."""
+    return {**record, RECORD_MAC: _record_mac(record, key)}
+
+
+def verified_record(record: dict, key: bytes) -> dict | None:
+    """``record`` without its MAC when the MAC is the job's ``key``'s; None for a record anyone else wrote."""
+    mac = record.get(RECORD_MAC)
+    body = {k: v for k, v in record.items() if k != RECORD_MAC}
+    return body if isinstance(mac, str) and hmac.compare_digest(mac, _record_mac(body, key)) else None
+
+
+def _record_mac(record: dict, key: bytes) -> str:
+    # A key of its own for run files (the channel's handshake uses the job's key itself), over a canonical form.
+    text = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(hmac.new(key, b"ddp_notebook run files", hashlib.sha256).digest(), text, hashlib.sha256).hexdigest()
 
 
 def slurm_run_dir(job_folder: str, job_id: str) -> str:

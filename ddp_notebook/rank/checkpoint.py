@@ -506,16 +506,45 @@ def _has_checkpoint(path: str) -> bool:
 
 
 def _load_whole(folder: str) -> dict:
-    """Every tensor of a sharded save, whole, in this process: no process group needed, no collective."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    """Every tensor and value of a sharded save, whole, in this process: no process group needed, no collective."""
+    from torch.distributed import checkpoint as dcp
 
-    state: dict = {}
-    # As torch.distributed.checkpoint.format_utils.dcp_to_torch_save reads it, without writing a file.
-    _load_state_dict(state, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    return state
+    reader = dcp.FileSystemReader(folder)
+    metadata = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():  # keys as saved: flattened ("model.a.weight")
+        if isinstance(item, dcp.metadata.TensorStorageMetadata):
+            flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            flat[key] = None  # a pickled value: the load puts it in
+    # Keys as they are (not flattened again), so that the planner fills in the pickled values of this very dict.
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (no_dist: we know)
+        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    return _unflatten(flat, metadata.planner_data)
+
+
+def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, Sequence]) -> dict:
+    """Nest values by the paths ``torch.distributed.checkpoint`` recorded when it flattened the state dict (a
+    list's items have int components)."""
+    nested: dict = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,)) if paths else (key,)
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: lists(v) for k, v in node.items()}
+        if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+            return [items[i] for i in range(len(items))]
+        return items
+
+    return lists(nested)
 
 
 def _load_shards(folder: str, model: torch.nn.Module, optimizer, strict: bool) -> dict | None:

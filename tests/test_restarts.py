@@ -12,9 +12,9 @@ from nbrun import execute, kernel
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def _train(checkpoint, epochs, kill_at_epoch):
-    """A seeded 2-rank DDP loop with dropout (every rank's RNG matters) that checkpoints each epoch; rank 1
-    kills itself with SIGKILL in the middle of ``kill_at_epoch`` of attempt 0 (None: no fault)."""
+def _train(checkpoint, epochs, kill_at_epoch, sharded=False):
+    """A seeded 2-rank DDP (or FSDP2, ``sharded``) loop with dropout (every rank's RNG matters) that checkpoints
+    each epoch; rank 1 kills itself with SIGKILL in the middle of ``kill_at_epoch`` of attempt 0 (None: no fault)."""
     import os
     import signal
 
@@ -27,7 +27,14 @@ def _train(checkpoint, epochs, kill_at_epoch):
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)),
                                           torch.randn(64, 1, generator=torch.Generator().manual_seed(2)))
     loader = ddp_notebook.distributed_loader(data, batch_size=8, shuffle=True)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(net[0])
+        model = fully_shard(net)
+    else:
+        model = DDP(net)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     start = ddp_notebook.resume(checkpoint, model, optimizer, loader)
     for epoch in range(start, epochs):
@@ -42,13 +49,18 @@ def _train(checkpoint, epochs, kill_at_epoch):
             total += loss.detach()
         ddp_notebook.report(epoch=epoch, loss=float(total), epochs=epochs)
         ddp_notebook.save_checkpoint(checkpoint, model, optimizer, epoch, loader=loader)
-    return {"attempt": ddp_notebook.attempt(), "start": start,
-            "weights": {k: v.clone() for k, v in model.module.state_dict().items()}}
+    if sharded:
+        weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    else:
+        weights = {k: v.clone() for k, v in model.module.state_dict().items()}
+    return {"attempt": ddp_notebook.attempt(), "start": start, "weights": weights}
 
 
-def test_a_killed_rank_restarts_and_resumes_to_the_same_weights_bit_for_bit(tmp_path, no_leftovers):
-    clean = ddp_notebook.launch(_train, (str(tmp_path / "clean.pt"), 6, None), cpus=2, seed=7)
-    faulted = ddp_notebook.launch(_train, (str(tmp_path / "faulted.pt"), 6, 3), cpus=2, seed=7, max_restarts=1)
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp2"])
+def test_a_killed_rank_restarts_and_resumes_to_the_same_weights_bit_for_bit(tmp_path, sharded, no_leftovers):
+    clean = ddp_notebook.launch(_train, (str(tmp_path / "clean.pt"), 6, None, sharded), cpus=2, seed=7)
+    faulted = ddp_notebook.launch(_train, (str(tmp_path / "faulted.pt"), 6, 3, sharded), cpus=2, seed=7,
+                                  max_restarts=1)
     job = ddp_notebook.last_job()
     assert [r["attempt"] for r in faulted] == [1, 1]
     assert [r["start"] for r in faulted] == [3, 3]  # the checkpoint of epoch 2 was the last one saved

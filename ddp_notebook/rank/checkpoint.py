@@ -4,6 +4,10 @@
 ``_orig_mod.`` prefixes) from rank 0 only, atomically, and without any
 collective, so calling it under ``if rank == 0:`` cannot hang.  Every rank that
 calls it leaves its own RNG state in a small file beside the checkpoint.
+A sharded model (FSDP2 ``fully_shard``, DTensor parameters) is saved by every
+rank at once through ``torch.distributed.checkpoint`` into a directory, each
+rank writing its own shards; such a save or load is a collective that refuses,
+within seconds, a call that not every rank makes.
 ``load_checkpoint`` loads into a plain, DDP-wrapped or ``torch.compile``d
 model alike (also files saved the naive way, with prefixed keys) using
 ``torch.load(weights_only=True)``, and brings back what a resumed run needs.
@@ -11,12 +15,14 @@ model alike (also files saved the naive way, with prefixed keys) using
 """
 from __future__ import annotations
 
+import datetime
 import errno
 import io
 import itertools
 import json
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -37,8 +43,15 @@ FORMAT = "ddp_notebook.checkpoint/1"
 RNG_FORMAT = "ddp_notebook.rng/1"
 # Test hook: after the temporary file is written and fsynced, write this file and wait before the rename.
 PAUSE_BEFORE_RENAME_ENV = "DDP_NOTEBOOK_TEST_PAUSE_BEFORE_RENAME"
+SHARDED_FORMAT = "ddp_notebook.sharded_checkpoint/1"
+SHARDED_INDEX = "checkpoint.json"  # in a sharded checkpoint's directory: names its one complete save
+SHARDED_META = "meta.pt"  # in each save's folder: epoch, sampler epoch, world size, extra values
+SAVE_FOLDER_PREFIX = "save-"  # each sharded save's own folder; the only folders a save ever removes
+ARRIVAL_TIMEOUT_ENV = "DDP_NOTEBOOK_CHECKPOINT_ARRIVAL_S"
+ARRIVAL_TIMEOUT_S = 10.0
 
 _save_counts: dict[str, int] = {}
+_meetings: dict[tuple[str, str], int] = {}
 _temp_counter = itertools.count()
 
 
@@ -329,6 +342,290 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
 
 
+# -- sharded models ------------------------------------------------------------------------------
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when the model's parameters are split across ranks (FSDP2 ``fully_shard``, DTensor parameters, FSDP1):
+    its checkpoints are saved and loaded by every rank at once."""
+    if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(t, DTensor) for t in itertools.chain(model.parameters(), model.buffers())):
+            return True
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
+
+
+def _store():
+    ctx = context.current()
+    store = ctx.extra.get("store") if ctx is not None else None
+    if store is None:  # under torchrun: the process group's own store
+        store = dist.distributed_c10d._get_default_store()
+    return store
+
+
+def _arrival_timeout() -> float:
+    return float(os.environ.get(ARRIVAL_TIMEOUT_ENV) or ARRIVAL_TIMEOUT_S)
+
+
+@dataclass
+class _Meeting:
+    key: str  # this call's keys in the store
+    folder_name: str  # the save folder rank 0 chose
+
+
+def _meet_every_rank(call: str, path: str) -> _Meeting:
+    """Wait (at most the arrival timeout) for every rank to make this call too, else refuse it.
+
+    The meeting is kept in the job's store, not in the process group: a call that only some ranks make (under
+    ``if rank == 0:``) is refused before any collective starts, where a collective would hang.
+    """
+    rank, world_size = rank_and_world_size()
+    count = _meetings[(call, path)] = _meetings.get((call, path), 0) + 1
+    key = f"ddp_notebook/checkpoint/{call}/{path}/{count}"
+    if world_size == 1:
+        return _Meeting(key, f"{SAVE_FOLDER_PREFIX}{time.time_ns():x}")
+    store = _store()
+    if rank == 0:
+        store.set(f"{key}/name", f"{SAVE_FOLDER_PREFIX}{time.time_ns():x}")
+    store.set(f"{key}/rank{rank}", "")
+    if store.add(f"{key}/arrived", 1) == world_size:
+        store.set(f"{key}/all", "")
+    else:
+        timeout = _arrival_timeout()
+        try:
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
+        except dist.DistStoreError:
+            absent = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
+            # Only an arrival can bring the count to world_size, and that arrival opens the meeting: if it was
+            # not there before this rank leaves, it never will be.
+            if store.add(f"{key}/arrived", -1) != world_size - 1:
+                _meetings[(call, path)] -= 1  # so that the next call of every rank meets under one key again
+                late = _ranks_text(absent) if absent else "not every rank"
+                raise RuntimeError(
+                    f"{call}({path!r}) of a sharded model is done by every rank at once, and {late} did not call "
+                    f"it within {timeout:g} s of rank {rank}: call it on every rank, not under `if rank == 0:` "
+                    f"(a rank may lag {ARRIVAL_TIMEOUT_ENV} seconds). Refused before anything was written or "
+                    f"read.") from None
+    return _Meeting(key, store.get(f"{key}/name").decode())
+
+
+def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict) -> str:
+    """Every rank writes its shards into a new save folder inside the directory ``path``; once all have, rank 0
+    makes it the current one (the index file, replaced atomically) and removes the earlier saves."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(
+            f"{path} is a single-file checkpoint (of a model that is not sharded); a sharded model's checkpoint is "
+            f"a directory: save it under another path (the file is left as it is)")
+    rank, world_size = rank_and_world_size()
+    record["extra"] = _plain(record["extra"])
+    _check_weights_only(record["extra"], "extra value")
+    meeting = _meet_every_rank("save_checkpoint", path)
+    folder = os.path.join(path, meeting.folder_name)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _atomic_save({"format": RNG_FORMAT, "rank": rank, "state": rng_state()}, os.path.join(folder, f"rank{rank}.rng"))
+        if rank == 0:
+            _atomic_save({**record, "optimizer": optimizer is not None}, os.path.join(folder, SHARDED_META))
+        state = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))  # returns once every rank has written
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    _commit(path, meeting)
+    return path
+
+
+def _commit(path: str, meeting: _Meeting) -> None:
+    """Rank 0 makes the finished save current; every rank returns when it has (or raises what went wrong)."""
+    rank, world_size = rank_and_world_size()
+    done = f"{meeting.key}/done"
+    if rank != 0:
+        store = _store()
+        store.wait([done], dist.constants.default_pg_timeout)
+        problem = store.get(done).decode()
+        if problem:
+            raise RuntimeError(f"the new checkpoint {path} was written, but rank 0 could not make it the current "
+                               f"one: {problem}")
+        return
+    problem = ""
+    try:
+        folder = os.path.join(path, meeting.folder_name)
+        _pause_before_rename(folder, path)
+        index = os.path.join(path, SHARDED_INDEX)
+        _remove_stale_temps(index)
+        temp = f"{_temp_prefix(index)}{os.getpid()}-{next(_temp_counter)}"
+        with open(temp, "w") as f:
+            json.dump({"format": SHARDED_FORMAT, "current": meeting.folder_name}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, index)
+        _fsync_directory(path)
+        _remove_saves(path, keep=meeting.folder_name)
+    except BaseException as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if world_size > 1:
+            _store().set(done, problem)
+
+
+def _remove_saves(path: str, keep: str | None) -> None:
+    """Remove the save folders in ``path`` but ``keep`` (earlier saves, and saves a crash left unfinished)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(SAVE_FOLDER_PREFIX) and name != keep:
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+
+
+def _current_save(path: str) -> str | None:
+    """The folder of the complete save in a sharded checkpoint's directory; None for a single-file checkpoint."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, SHARDED_INDEX)) as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is a directory with no complete checkpoint in it (no {SHARDED_INDEX}: no "
+                                f"save_checkpoint of a sharded model to it has finished)") from None
+    if index.get("format") != SHARDED_FORMAT:
+        raise ValueError(f"{os.path.join(path, SHARDED_INDEX)} is not a ddp_notebook checkpoint index")
+    return os.path.join(path, index["current"])
+
+
+def _has_checkpoint(path: str) -> bool:
+    return os.path.isfile(path) or os.path.isfile(os.path.join(path, SHARDED_INDEX))
+
+
+def _load_whole(folder: str) -> dict:
+    """Every tensor and value of a sharded save, whole, in this process: no process group needed, no collective."""
+    from torch.distributed import checkpoint as dcp
+
+    reader = dcp.FileSystemReader(folder)
+    metadata = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():  # keys as saved: flattened ("model.a.weight")
+        if isinstance(item, dcp.metadata.TensorStorageMetadata):
+            flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            flat[key] = None  # a pickled value: the load puts it in
+    # Keys as they are (not flattened again), so that the planner fills in the pickled values of this very dict.
+    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (no_dist: we know)
+        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    return _unflatten(flat, metadata.planner_data)
+
+
+def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, Sequence]) -> dict:
+    """Nest values by the paths ``torch.distributed.checkpoint`` recorded when it flattened the state dict (a
+    list's items have int components)."""
+    nested: dict = {}
+    for key, value in flat.items():
+        path = paths.get(key, (key,)) if paths else (key,)
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: lists(v) for k, v in node.items()}
+        if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+            return [items[i] for i in range(len(items))]
+        return items
+
+    return lists(nested)
+
+
+def _load_shards(folder: str, model: torch.nn.Module, optimizer, strict: bool) -> dict | None:
+    """Every rank reads its own shards of a sharded save (resharded to this world size); the optimizer's state."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    return state.get("optimizer")
+
+
+def _load_whole_into_sharded(model: torch.nn.Module, optimizer, state: Mapping[str, Any],
+                             optimizer_state: dict | None, strict: bool) -> None:
+    """A whole state dict (a single-file checkpoint) into a sharded model: every rank keeps its own shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    expected = [_strip(k) for k in unwrap_model(model).state_dict()]
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(model, clean_state_dict(state, expected), options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, _optimizer_state_by_names(model, optimizer, optimizer_state),
+                                 options=options)
+
+
+def _parameter_names(model: torch.nn.Module, optimizer) -> list[str]:
+    """The names in ``model`` of ``optimizer``'s parameters, in the optimizer's order."""
+    names = {id(p): _strip(n) for n, p in unwrap_model(model).named_parameters()}
+    try:
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    except KeyError:
+        raise ValueError("the optimizer holds a parameter that is not the model's") from None
+
+
+def _optimizer_state_by_names(model: torch.nn.Module, optimizer, saved: Mapping[str, Any]) -> dict:
+    """``optimizer.state_dict()``'s form (parameters by position) keyed by parameter name instead, the form of
+    ``get_optimizer_state_dict``; positions are matched as ``optimizer.load_state_dict`` matches them."""
+    names = _parameter_names(model, optimizer)
+    saved_ids = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(saved_ids) != len(names):
+        raise ValueError(f"the checkpoint's optimizer state has {len(saved_ids)} parameters, the optimizer "
+                         f"{len(names)}")
+    name_of = dict(zip(saved_ids, names))
+    return {"state": {name_of[i]: value for i, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
+def _optimizer_state_by_positions(model: torch.nn.Module, optimizer, saved: Mapping[str, Any]) -> dict:
+    """A sharded checkpoint's optimizer state (parameters by name) in ``optimizer.state_dict()``'s form."""
+    if model is None:
+        raise ValueError("a sharded checkpoint's optimizer state is kept by parameter name: give the model too")
+    position = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
+    unknown = sorted({n for group in saved["param_groups"] for n in group["params"]} - set(position))
+    if unknown:
+        raise ValueError(f"the checkpoint holds optimizer state for {', '.join(unknown)}, which the optimizer's "
+                         f"parameters do not include")
+    return {"state": {position[name]: value for name, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [position[n] for n in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
+def _to(value: Any, location: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(location)
+    if isinstance(value, dict):
+        return type(value)((k, _to(v, location)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_to(v, location) for v in value)
+    return value
+
+
 # -- save / load --------------------------------------------------------------------------------
 
 def _loader_list(loader: Any) -> list:
@@ -348,24 +645,38 @@ def _loader_epoch(loader: Any) -> int:
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     epoch: int | None = None, *, loader: Any = None, **extra: Any) -> str:
-    """Save a checkpoint from rank 0, atomically; every calling rank saves its RNG state beside it.
+    """Save a checkpoint atomically: from rank 0 for a whole model, from every rank at once for a sharded one.
 
     The model's weights are stored without wrapper prefixes, whatever wraps it
     (DDP, ``torch.compile``).  ``loader`` (one loader or a list) records the
     sampler epoch the next iteration will use, so a resumed run keeps the
     same data order.  ``extra`` values must be numbers, strings, tensors,
-    lists or dicts (numpy numbers are converted).  No collective: it is safe
-    under ``if rank == 0:``.  Returns the path.
+    lists or dicts (numpy numbers are converted).  Returns the path.
+
+    Under ``if rank == 0:``: a model every rank holds whole (plain, DDP) is
+    written by rank 0 alone with no collective, so it is safe there.  A
+    sharded model (FSDP2 ``fully_shard``, DTensor parameters) is a directory
+    that every rank writes its own shards into (``torch.distributed.checkpoint``),
+    so every rank must call it: a call that some ranks do not make within
+    ``DDP_NOTEBOOK_CHECKPOINT_ARRIVAL_S`` seconds (10) is refused on the ranks
+    that made it, before anything is written.
     """
     path = os.path.abspath(os.fspath(path))
     epoch = _plain(epoch)
     rank, world_size = rank_and_world_size()
-    count = _save_counts[path] = _save_counts.get(path, 0) + 1
-    tag = f"{_job_id()}/{epoch}/{count}"
     loaders = _loader_list(loader)
     sampler_epoch: Any = [_loader_epoch(ld) for ld in loaders]
     if not isinstance(loader, (list, tuple)):
         sampler_epoch = sampler_epoch[0] if sampler_epoch else None
+    if is_sharded(model):
+        return _save_sharded(path, model, optimizer, {"format": FORMAT, "epoch": epoch, "sampler_epoch": sampler_epoch,
+                                                      "world_size": world_size, "extra": extra})
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path} is a directory (a sharded model's checkpoint is one); a model that is not sharded is saved "
+            f"as one file: save it under another path")
+    count = _save_counts[path] = _save_counts.get(path, 0) + 1
+    tag = f"{_job_id()}/{epoch}/{count}"
     if rank == 0:
         extra = _plain(extra)
         _check_weights_only(extra, "extra value")
@@ -394,6 +705,8 @@ class LoadedCheckpoint:
     world_size: int | None = None  # of the job that saved it (None: not saved by save_checkpoint)
     extra: dict = field(default_factory=dict)
     toolkit_format: bool = True  # False: a bare state dict (or another tool's dict)
+    model_state: dict | None = None  # the model's whole state dict, when no model was given to load into
+    sharded: bool = False  # saved from a sharded model: a directory of every rank's shards
 
     @property
     def next_epoch(self) -> int:
@@ -467,16 +780,22 @@ def _load_model_state(target: torch.nn.Module, state: Mapping[str, Any], strict:
     target.load_state_dict(_translate(cleaned, lambda k: real_keys.get(k, real_paths.get(k, k))), strict=strict)
 
 
-def _load_rng(path: str, world_size: int, tag: str | None, rank: int) -> tuple[dict | None, list[int]]:
+def _rng_file(path: str, rank: int, folder: str | None) -> str:
+    """Rank ``rank``'s RNG state file: beside a single-file checkpoint, in a sharded checkpoint's save folder."""
+    return rng_path(path, rank) if folder is None else os.path.join(folder, f"rank{rank}.rng")
+
+
+def _load_rng(path: str, world_size: int, tag: str | None, rank: int,
+              folder: str | None = None) -> tuple[dict | None, list[int]]:
     mine, missing = None, []
     for r in range(world_size):
-        file = rng_path(path, r)
+        file = _rng_file(path, r, folder)
         try:
             saved = torch.load(file, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             missing.append(r)
             continue
-        if saved.get("tag") != tag:
+        if folder is None and saved.get("tag") != tag:
             missing.append(r)  # from another save: it does not belong to this checkpoint
             continue
         if r == rank:
@@ -497,7 +816,8 @@ def _keep_their_state(ranks: Sequence[int]) -> str:
     return "it keeps its current random state" if len(ranks) == 1 else "they keep their current random state"
 
 
-def _resume_notice(path: str, saved_world_size: int | None, world_size: int, missing: Sequence[int]) -> str | None:
+def _resume_notice(path: str, saved_world_size: int | None, world_size: int, missing: Sequence[int],
+                   folder: str | None = None) -> str | None:
     """What a resume of ``path`` on ``world_size`` ranks will not repeat of the run that saved it; None if all."""
     resized = saved_world_size is not None and saved_world_size != world_size
     new = [r for r in missing if resized and r >= saved_world_size]  # ranks the saving run did not have
@@ -513,7 +833,7 @@ def _resume_notice(path: str, saved_world_size: int | None, world_size: int, mis
         notice.append(f"{_ranks_text(new).capitalize()} had no saved RNG state: {_keep_their_state(new)}.")
     if lost:
         notice.append(
-            f"No RNG state for {_ranks_text(lost)} (the file {rng_path(path, lost[0])} is missing or from another "
+            f"No RNG state for {_ranks_text(lost)} (the file {_rng_file(path, lost[0], folder)} is missing or from another "
             f"save): {_keep_their_state(lost)}, so random draws (dropout, augmentation) will differ from the "
             f"uninterrupted run{'.' if resized else '; the data order does not depend on it.'}")
     return " ".join(notice) or None
@@ -531,7 +851,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
                     optimizer: torch.optim.Optimizer | None = None, *, loader: Any = None,
                     restore_rng: bool | None = None, strict: bool = True,
                     map_location: Any = None) -> LoadedCheckpoint:
-    """Load a checkpoint into a plain, DDP-wrapped or compiled model; the rest for resuming comes back.
+    """Load a checkpoint into a plain, DDP-wrapped, compiled or sharded model; the rest for resuming comes back.
 
     Files saved the naive way (``torch.save(ddp_model.state_dict())``, with
     ``module.`` or ``_orig_mod.`` prefixes) load too.  Storages are mapped to
@@ -545,24 +865,51 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     RNG state is missing (also in ``rng_missing_ranks``), or a world size other
     than the saved one (``world_size``).  Loading weights alone leaves the
     random state untouched.  If another rank has just saved the file, load
-    after a barrier.
+    after a barrier.  Without a model, ``.model_state`` is the whole state dict.
+
+    Either kind of checkpoint loads into either kind of model.  Into a sharded
+    model every rank must call it (each reads its own shards, resharded to
+    this world size; it is refused like a ``save_checkpoint`` some ranks do
+    not make); into a whole model (plain, DDP, in the notebook with no process
+    group) a sharded checkpoint is read whole, with no collective.
     """
     path = os.path.abspath(os.fspath(path))
     location = map_location if map_location is not None else _rank_device()
-    obj = torch.load(path, map_location=location, weights_only=True)
-    state, info = _find_model_state(obj)
+    folder = _current_save(path)
+    sharded_model = model is not None and is_sharded(model)
+    if folder is None:
+        obj = torch.load(path, map_location="cpu" if sharded_model else location, weights_only=True)
+        state, info = _find_model_state(obj)
+        optimizer_state = info.get("optimizer") or info.get("optimizer_state_dict")
+    else:
+        info = torch.load(os.path.join(folder, SHARDED_META), map_location="cpu", weights_only=True)
+        state = optimizer_state = None
+        if not sharded_model:
+            whole = _load_whole(folder)
+            if isinstance(location, (str, torch.device)) and torch.device(location).type != "cpu":
+                whole = _to(whole, location)
+            state, optimizer_state = whole["model"], whole.get("optimizer")
     ours = info.get("format") == FORMAT
     loaded = LoadedCheckpoint(
-        path=path, epoch=info.get("epoch"), sampler_epoch=info.get("sampler_epoch"),
-        optimizer_state=info.get("optimizer") or info.get("optimizer_state_dict"),
+        path=path, epoch=info.get("epoch"), sampler_epoch=info.get("sampler_epoch"), optimizer_state=optimizer_state,
         world_size=info.get("world_size"), extra=dict(info.get("extra") or {}), toolkit_format=ours,
+        model_state=state if model is None else None, sharded=folder is not None,
     )
-    if model is not None:
-        _load_model_state(unwrap_model(model), state, strict)
-    if optimizer is not None:
-        if loaded.optimizer_state is None:
-            raise ValueError(f"{path} holds no optimizer state; save it with save_checkpoint(..., optimizer)")
-        optimizer.load_state_dict(loaded.optimizer_state)
+    if optimizer is not None and optimizer_state is None and not (folder is not None and info.get("optimizer")):
+        raise ValueError(f"{path} holds no optimizer state; save it with save_checkpoint(..., optimizer)")
+    if sharded_model:
+        _meet_every_rank("load_checkpoint", path)
+        if folder is None:
+            _load_whole_into_sharded(model, optimizer, state, optimizer_state, strict)
+        else:
+            loaded.optimizer_state = _load_shards(folder, model, optimizer, strict)
+    else:
+        if model is not None:
+            _load_model_state(unwrap_model(model), state, strict)
+        if optimizer is not None:
+            if folder is not None:  # kept by parameter name
+                optimizer_state = _optimizer_state_by_positions(model, optimizer, optimizer_state)
+            optimizer.load_state_dict(optimizer_state)
     loaders = _loader_list(loader)
     if loaders:
         epochs = loaded.sampler_epoch if isinstance(loaded.sampler_epoch, list) else [loaded.sampler_epoch]
@@ -577,10 +924,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     if ours and (restore_rng or loaders):
         rank, world_size = rank_and_world_size()
         if restore_rng:
-            loaded.rng_state, loaded.rng_missing_ranks = _load_rng(path, world_size, info.get("rng_tag"), rank)
+            loaded.rng_state, loaded.rng_missing_ranks = _load_rng(path, world_size, info.get("rng_tag"), rank,
+                                                                   folder)
             if loaded.rng_state is not None:
                 set_rng_state(loaded.rng_state)
-        notice = _resume_notice(path, loaded.world_size, world_size, loaded.rng_missing_ranks)
+        notice = _resume_notice(path, loaded.world_size, world_size, loaded.rng_missing_ranks, folder)
         if notice is not None and rank == 0:  # said once, for every rank
             _warn_at_callers_line(notice)
     return loaded
@@ -597,7 +945,7 @@ def resume(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     whose ``.checkpoint`` is the :class:`LoadedCheckpoint` (``.checkpoint.world_size``: the saved run's).
     """
     path = os.path.abspath(os.fspath(path))
-    if not os.path.exists(path):
+    if not _has_checkpoint(path):
         return StartEpoch(0)
     if restore_rng is None:
         restore_rng = _in_a_job()
@@ -628,9 +976,10 @@ class BestCheckpoint:
     best); for more, files are named ``<stem>-epoch<E>`` (or ``-step<N>``)
     beside it, or ``path`` can be a template with ``{epoch}``, ``{step}`` and
     ``{score}``.  Call :meth:`update` on every rank with the same score (reduce
-    it first, e.g. with ``all_reduce_metrics``), or on rank 0 only: it needs no
-    collective.  A score that is not strictly better than the worst kept one
-    (or is nan) is not saved.
+    it first, e.g. with ``all_reduce_metrics``); for a model every rank holds
+    whole it may be rank 0 only (it then needs no collective), for a sharded
+    model it must be every rank, as for :func:`save_checkpoint`.  A score that
+    is not strictly better than the worst kept one (or is nan) is not saved.
     """
 
     def __init__(self, path: str | os.PathLike, monitor: str = "score", mode: str = "max", keep: int = 1):
@@ -687,8 +1036,21 @@ class BestCheckpoint:
 
 
 def _remove_checkpoint(path: str) -> None:
-    """Rank 0 removes the checkpoint and every rank's RNG file; other ranks remove their own RNG file."""
+    """Rank 0 removes the checkpoint and every rank's RNG file; other ranks remove their own RNG file.  Of a
+    sharded checkpoint's directory only what a save put there goes (then the directory, if that left it empty)."""
     rank, _ = rank_and_world_size()
+    if os.path.isdir(path):
+        if rank == 0:
+            try:
+                os.remove(os.path.join(path, SHARDED_INDEX))  # first: no half-removed checkpoint looks complete
+            except FileNotFoundError:
+                pass
+            _remove_saves(path, keep=None)
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass  # something of the user's is in it
+        return
     doomed = [rng_path(path, rank)]
     if rank == 0:
         directory, base = os.path.split(path)

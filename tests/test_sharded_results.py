@@ -3,6 +3,8 @@ DTensors arrive in the notebook as plain CPU tensors of the user's own classes, 
 ranks' ``full_tensor()``; what cannot be gathered is refused in one line."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -10,13 +12,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ddp_notebook
 from ddp_notebook import RankError
 from ddp_notebook.engine import pool, spec as job_spec
-from nbrun import execute, kernel
+from nbrun import execute, kernel, run_until_pids
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
-def warm(request):
+@pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
+def warm(request, no_leftovers):
+    """A warm pool of 2 or 3 ranks: one test's examples share it (a pool starts in well under a second)."""
     ranks = pool.Pool(job_spec.resolve_devices(cpus=request.param)).start()
     yield ranks
     ranks.stop()
@@ -213,3 +216,80 @@ def test_what_cannot_be_gathered_is_refused_in_one_line(warm, how, message):
     with pytest.raises(RankError, match=message):
         ddp_notebook.launch(_returns_sharded, args=(how,))
     assert ddp_notebook.launch(_returns_sharded, args=("whole",))[0].weight.shape == (3, 4)  # the pool goes on
+
+
+NET_CELL = '''
+import torch, ddp_notebook
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 33)
+        self.b = torch.nn.Linear(33, 5)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+'''
+
+TRAIN_CELL = '''%%ddp --cpus 2 --return model, opt, full
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+model = Net()
+fully_shard(model.a)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 5))
+loader = ddp_notebook.distributed_loader(data, batch_size=8)
+for epoch in range(2):
+    for x, y in loader:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+'''
+
+CHECK_CELL = '''
+assert type(model) is Net and all(type(p) is torch.nn.Parameter for p in model.parameters())
+assert all(torch.equal(p, full[name]) for name, p in model.named_parameters())
+assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+assert all(opt.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
+print("WHOLE", type(model).__name__, tuple(model.a.weight.shape))
+'''
+
+# (on a copy: a warm pool sends the notebook's model to the ranks in place of theirs once the notebook changes it)
+STEP_CELL = '''
+import copy
+stepped, stepped_opt = copy.deepcopy((model, opt))
+before = stepped.a.weight.detach().clone()
+stepped(torch.ones(2, 16)).sum().backward(); stepped_opt.step()
+assert not torch.equal(before, stepped.a.weight)
+print("STEPPED")
+'''
+
+
+@pytest.mark.kernel
+def test_the_issue_repro_returns_the_fsdp2_model_whole_fresh_stopped_and_from_a_warm_pool(no_leftovers):
+    with kernel("%load_ext ddp_notebook\n" + NET_CELL) as (km, kc):
+        told = execute(kc, [TRAIN_CELL, CHECK_CELL, STEP_CELL])
+        assert "WHOLE Net (33, 16)" in told and "STEPPED" in told and "Error" not in told, told
+
+        # A graceful stop: the names assigned so far come back, gathered
+        stopping = TRAIN_CELL.replace("range(2)", "range(1000)").replace("opt.zero_grad()", "opt.zero_grad()\n"
+                                                                          "        time.sleep(0.02)")
+        run_until_pids(kc, stopping.replace("--return model, opt, full\n", "--return model, opt, full\n"
+                                            "import os, time\nprint('PID', os.getpid(), flush=True)\n", 1))
+        time.sleep(3)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["content"]["ename"] == "CellStopped", reply["content"]
+        assert "WHOLE Net (33, 16)" in execute(kc, [CHECK_CELL])
+
+        # A warm pool's model comes back whole and stays sharded in the ranks
+        told = execute(kc, ["%ddp_start --cpus 2", TRAIN_CELL.replace("--cpus 2 ", ""), CHECK_CELL,
+                            "%%ddp\nfrom torch.distributed.tensor import DTensor\n"
+                            "print('RANK-SIDE', rank, type(model).__name__, type(model.a.weight).__name__, "
+                            "tuple(model.a.weight.to_local().shape))\n"
+                            "model(torch.ones(2, 16)).sum().backward(); opt.step()\n"
+                            "full = {name: p.full_tensor() for name, p in model.named_parameters()}",
+                            "%%ddp --return model, opt, full\npass",
+                            CHECK_CELL, "%ddp_stop"])
+        assert told.count("WHOLE Net (33, 16)") == 2, told
+        assert "RANK-SIDE 0 FSDPNet DTensor (17, 16)" in told and "RANK-SIDE 1 FSDPNet DTensor (16, 16)" in told, told

@@ -282,7 +282,8 @@ class Job(EventSource):
             raise
         self._task_path = where.get("path")
         self.group.send_to(self.targets, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
-                                                         "attempt": self.attempt}))
+                                                         "attempt": self.attempt,
+                                                         "every_rank": len(self.targets) == self.spec.world_size}))
 
     # -- watch -----------------------------------------------------------
     def _pump(self, timeout: float = 0.1) -> None:
@@ -345,7 +346,7 @@ class Job(EventSource):
         if len(self._results) == len(targets):
             if self._stopped_where:
                 self.stopped_at = self._stopped_where.get(targets[0]) or next(iter(self._stopped_where.values()))
-            self._outcome = ("ok", [self._results[r] for r in targets])
+            self._outcome = ("ok", payload.joined_results([self._results[r] for r in targets]))
             return
         group = self.group
         if spec.init_group and len(group.ready) + len(group.exited) < spec.world_size \

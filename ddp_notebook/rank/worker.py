@@ -21,7 +21,7 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, display, replicas, stopping, streams, timing
+from . import context, display, replicas, sharded, stopping, streams, timing
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -322,8 +322,14 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.clear()
         if sender is not None:
+            # Every rank joins the gather of the sharded values it returns, sent or not (a cell's are rank 0's).
+            whole = sharded.whole_copies(value.values if isinstance(value, payload.CellResult) else value,
+                                         "" if isinstance(value, payload.CellResult) else "the return value",
+                                         ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True))
+            value = task.sent_by(ctx.rank, value)
             stopped = stopping.stopped_at()
-            sender.send_now(protocol.RESULT, {"task": task_id, "value": payload.dumps_result(value),
+            sender.send_now(protocol.RESULT, {"task": task_id,
+                                              "value": payload.dumps_result(value, whole if value is not None else ()),
                                               **({"stopped": stopped} if stopped else {})})
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
@@ -454,6 +460,7 @@ def serve(boot: dict) -> None:
             continue
         ctx.extra["attempt"] = int(body.get("attempt", 0))
         ctx.extra["task"] = body["task"]
+        ctx.extra["every_rank_runs"] = body.get("every_rank", True)
         load = (lambda: payload.loads(body["data"])) if "data" in body else (lambda: payload.load(body["path"]))
         run_task(ctx, sender, body["task"], load, body.get("seed"), namespace, interruptible)
 

@@ -22,7 +22,7 @@ import threading
 import types
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import cloudpickle
 
@@ -98,10 +98,14 @@ class CellTask:
             exec(compiled, ns)
         except TrainingStopped:
             pass  # a graceful stop: the names assigned so far are the result
-        if ctx.rank != 0:
-            return None
+        # (every rank's: a sharded model is gathered by all of them; only rank 0's is sent, see sent_by)
         return CellResult({n: ns[n] for n in self.returns if n in ns},
                           [n for n in self.returns if n not in ns])
+
+    @staticmethod
+    def sent_by(rank: int, value: Any) -> Any:
+        """What a rank sends back of its result: rank 0's names; the other ranks', nothing."""
+        return value if rank == 0 else None
 
 
 @dataclass
@@ -131,6 +135,11 @@ class CallTask:
         except TrainingStopped:
             return None  # a graceful stop ended the function before it returned
 
+    @staticmethod
+    def sent_by(rank: int, value: Any) -> Any:
+        """What a rank sends back of its result: every rank's return value."""
+        return value
+
 
 _WRAPPER_CLASSES = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")  # (.module inside)
 
@@ -149,33 +158,102 @@ def unwrap_model(model: Any) -> Any:
             return model
 
 
-def dumps_result(value: Any) -> bytes:
+def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = ()) -> bytes:
     """Rank side: pickle what a rank returns to the notebook.
 
     Wrapped models travel as the plain module, tensors on a device as CPU
     copies and results of a computation detached, wherever they sit (a state dict, an optimizer, a dataclass); the
     rank's own objects are left as they are, so a warm pool's model stays on its
     GPU.  Objects that share a tensor (a model and its optimizer) still share it.
+
+    ``whole``: the sharded objects of ``value`` and their whole copies, in the order every rank found them
+    (``rank.sharded.whole_copies``).  Rank 0 sends the copies; another rank, whose copy is None, sends a
+    reference to rank 0's (:func:`joined_results` puts rank 0's object there in the notebook).  A sharded object
+    that is not among them is refused.
     """
-    if value is None or type(value) is CellResult and not value.values:  # most cells: nothing to convert
+    if not whole and (value is None or type(value) is CellResult and not value.values):  # most cells
         return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    replacements = {id(original): _OnRankZero(index) if copy is None else copy
+                    for index, (original, copy) in enumerate(whole)}
+    if whole:
+        copies = [copy for _, copy in whole]
+        value = GatheredResult(value, None if any(copy is None for copy in copies) else copies)
     buffer = io.BytesIO()
-    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    _ResultPickler(buffer, replacements, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
 
 
+@dataclass
+class GatheredResult:
+    """A rank's result that holds sharded objects: rank 0's with their whole copies in the order gathered
+    (``whole``), another rank's with references to them (``whole`` None)."""
+
+    value: Any
+    whole: list | None
+
+
+@dataclass(frozen=True)
+class _OnRankZero:
+    """Stands for rank 0's whole copy of the ``index``-th sharded object in another rank's result."""
+
+    index: int
+
+
+def joined_results(results: list) -> list:
+    """Notebook side: the ranks' results (rank 0's first) with sharded objects whole: rank 0's copies, which the
+    other ranks' results refer to (one object in the notebook, as the ranks' full tensors are one)."""
+    if not results or not isinstance(results[0], GatheredResult):
+        return results
+    whole = results[0].whole
+    return [results[0].value] + [_with_rank_zeros(r.value, whole) if isinstance(r, GatheredResult) else r
+                                 for r in results[1:]]
+
+
+def _with_rank_zeros(value: Any, whole: list) -> Any:
+    """``value`` with each _OnRankZero in it replaced by rank 0's object (pickled again, which finds them anywhere)."""
+    class Referring(cloudpickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.index if type(obj) is _OnRankZero else None
+
+    class Resolving(pickle.Unpickler):
+        def persistent_load(self, index):
+            return whole[index]
+
+    buffer = io.BytesIO()
+    Referring(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    buffer.seek(0)
+    return Resolving(buffer).load()
+
+
 class _ResultPickler(cloudpickle.Pickler):
+    def __init__(self, file, replacements: Mapping[int, Any], protocol=None):
+        super().__init__(file, protocol=protocol)
+        self._replacements = replacements
+
     def reducer_override(self, obj):
+        replacement = self._replacements.get(id(obj), self)
+        if replacement is not self:
+            return _same, (replacement,)
         torch = sys.modules.get("torch")
         if torch is not None:
             if type(obj) is torch.Tensor and (obj.grad_fn is not None or obj.device.type not in ("cpu", "meta")):
                 # (a result of a computation comes back detached: its graph cannot travel)
                 return _same, (obj.detach().to("cpu").requires_grad_(obj.requires_grad and obj.grad_fn is None),)
             if isinstance(obj, torch.nn.Module):
+                if type(obj).__name__ == "FullyShardedDataParallel":
+                    raise TypeError(_SHARDED_ELSEWHERE.format(what="an FSDP1 model (FullyShardedDataParallel)"))
                 plain = unwrap_model(obj)
                 if plain is not obj:
                     return _same, (plain,)
+            dtensor = sys.modules.get("torch.distributed.tensor")
+            if dtensor is not None and isinstance(obj, dtensor.DTensor):
+                raise TypeError(_SHARDED_ELSEWHERE.format(what="a DTensor"))
         return super().reducer_override(obj)
+
+
+_SHARDED_ELSEWHERE = ("the result holds {what} where the ranks do not look for sharded values to gather (in a "
+                      "dict, list, tuple or an object's attributes, or a module's parameters): return it there, "
+                      "or its full_tensor()")
 
 
 def _same(value: Any) -> Any:

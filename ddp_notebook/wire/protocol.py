@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 # The notebook to a rank
-RUN = "run"  # {task, data | path, seed, attempt}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts)
+RUN = "run"  # {task, data | path, seed, attempt, every_rank}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts; every_rank: False when it runs on some ranks only)
 SYNC = "sync"  # {task, timeout, check_timeout}: a warm pool's barrier and process-group check after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (the rank reads it there)

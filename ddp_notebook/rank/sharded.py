@@ -1,0 +1,294 @@
+"""Sharded models made whole for the notebook: FSDP2 (``fully_shard``), tensor parallel modules (DTensor
+parameters from ``parallelize_module``), their optimizers and bare DTensors.
+
+A rank holds only its shards, so what a task returns cannot simply be pickled: at the task's end every rank walks
+its own return value the same way (:func:`sharded_in`), the ranks agree that they found the same things in the same
+order, and each DTensor is gathered one at a time (``full_tensor()``, an all-gather every rank joins).  Rank 0 keeps
+a plain CPU copy of each; the other ranks drop theirs at once, so they peak at their shards plus one tensor.  Rank 0
+builds copies of the modules and optimizers on those tensors, of the user's own class, without FSDP's hooks; the
+ranks' own objects are never changed (an FSDP2 module unsharded by a forward without backward is resharded first,
+as its next backward would).
+
+Rank side; self-contained (torch is imported only where a task already did).
+"""
+from __future__ import annotations
+
+import collections
+import sys
+import types
+from typing import Any, Callable
+
+# What FSDP2 adds to a module's __dict__ (its state is found under a key made of this prefix and a uuid).
+_FSDP_ATTRIBUTE_PREFIXES = ("__composable_api_state_key", "_fsdp_use_orig_params", "_is_fsdp_managed_module")
+# Flags kept per forward hook id, beside the hooks themselves.
+_HOOK_FLAGS = {"_forward_pre_hooks_with_kwargs": "_forward_pre_hooks", "_forward_hooks_with_kwargs": "_forward_hooks",
+               "_forward_hooks_always_called": "_forward_hooks"}
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, range, types.FunctionType, type,
+          types.ModuleType, types.BuiltinFunctionType, types.MethodType)
+
+
+class ShardedResultError(RuntimeError):
+    """A sharded value cannot be returned as it is (one clear message, on every rank)."""
+
+
+def in_use() -> bool:
+    """Can this process hold a sharded value at all (DTensors or FSDP imported)?  Same answer on every rank that ran
+    the same code, so every rank skips the gather alike."""
+    return "torch.distributed.tensor" in sys.modules or "torch.distributed.fsdp" in sys.modules
+
+
+def is_dtensor(value: Any) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(value, dtensor.DTensor)
+
+
+def is_fsdp1(module: Any) -> bool:
+    return type(module).__name__ == "FullyShardedDataParallel" and \
+        type(module).__module__.startswith("torch.distributed.fsdp")
+
+
+def is_sharded_module(module: Any) -> bool:
+    """Does ``module`` (an ``nn.Module``) hold a sharded part: an FSDP module, or DTensor parameters or buffers?"""
+    for sub in module.modules():
+        if is_fsdp1(sub) or _is_fsdp2(sub):
+            return True
+        if any(is_dtensor(t) for t in (*sub._parameters.values(), *sub._buffers.values())):
+            return True
+    return False
+
+
+def _is_fsdp2(module: Any) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def _is_sharded_optimizer(opt: Any) -> bool:
+    return any(is_dtensor(p) for group in opt.param_groups for p in group["params"])
+
+
+def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
+    """The sharded modules, optimizers and DTensors in ``value``, each once, in a fixed order: (where it sits,
+    the object).  Looks through dicts, lists, tuples and objects' attributes, as the result's pickler does."""
+    import torch
+
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, where: str) -> None:
+        if isinstance(obj, _ATOMS) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if is_dtensor(obj):
+                found.append((where, obj))
+        elif isinstance(obj, torch.nn.Module):
+            if is_sharded_module(obj):
+                found.append((where, obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            if _is_sharded_optimizer(obj):
+                found.append((where, obj))
+        elif isinstance(obj, dict):
+            for key, item in list(obj.items()):
+                visit(item, f"{where}[{key!r}]" if where else str(key))
+        elif isinstance(obj, (list, tuple)):
+            for index, item in enumerate(obj):
+                visit(item, f"{where}[{index}]")
+        elif isinstance(obj, (set, frozenset)):
+            if any(is_dtensor(item) for item in obj):  # no order that every rank shares
+                raise ShardedResultError(f"{where} is a set holding DTensors: a set has no order every rank shares "
+                                         f"to gather them in; return them in a list or dict")
+        elif isinstance(getattr(obj, "__dict__", None), dict):
+            for name, item in list(vars(obj).items()):
+                visit(item, f"{where}.{name}")
+
+    visit(value, where)
+    for place, obj in found:
+        if isinstance(obj, torch.nn.Module) and any(is_fsdp1(sub) for sub in obj.modules()):
+            raise ShardedResultError(
+                f"{place} is an FSDP1 model (FullyShardedDataParallel): its parameters are each rank's flat shard "
+                f"and cannot be returned whole; return its full state dict instead (under "
+                f"FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT)), or shard it with FSDP2's fully_shard")
+    return found
+
+
+def _describe(obj: Any) -> tuple:
+    """What every rank must agree on before gathering ``obj``: its kind and the shapes it gathers, in order."""
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in _gathered_tensors(obj)]
+    return type(obj).__qualname__, shapes
+
+
+def _gathered_tensors(obj: Any) -> list:
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return [t for sub in obj.modules() for t in (*sub._parameters.values(), *sub._buffers.values())
+                if is_dtensor(t)]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [t for group in obj.param_groups for p in group["params"]
+                for t in (p, *obj.state.get(p, {}).values()) if is_dtensor(t)]
+    return [obj]
+
+
+def whole_copies(value: Any, where: str, rank: int, world_size: int, every_rank_runs: bool = True) -> list[tuple]:
+    """Collective, on every rank at a task's end: the sharded things in ``value`` (:func:`sharded_in`), each with
+    its whole copy on rank 0 (None elsewhere), in the order found: [(object, whole copy)].
+
+    Raises :class:`ShardedResultError`, on every rank alike, where that cannot be done."""
+    if not in_use():
+        return []
+    import torch.distributed as dist
+
+    found = sharded_in(value, where)
+    if not every_rank_runs:
+        if found:
+            raise ShardedResultError(f"{found[0][0]} is sharded over every rank, and this task runs on some of them "
+                                     f"only: return it from a cell that runs on every rank")
+        return []
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        if found:
+            raise ShardedResultError(f"{found[0][0]} is sharded, and the process group is gone: a sharded value is "
+                                     f"gathered after the task returns, so leave the process group up until then")
+        return []
+    if world_size > 1:
+        mine = [(place, _describe(obj)) for place, obj in found]
+        every: list = [None] * world_size
+        dist.all_gather_object(every, mine)
+        for other, theirs in enumerate(every):
+            if theirs != mine:
+                raise ShardedResultError(_difference(mine, theirs, rank, other))
+    gathering = _Gathering(keep=rank == 0)
+    return [(obj, gathering.whole(obj)) for _, obj in found]
+
+
+def _difference(mine: list, theirs: list, rank: int, other: int) -> str:
+    """Why rank ``rank``'s sharded values cannot be gathered together with rank ``other``'s."""
+    for (place, described), (their_place, their_described) in zip(mine, theirs):
+        if (place, described) != (their_place, their_described):
+            return (f"the ranks return different sharded values, which cannot be gathered: rank {rank} has "
+                    f"{place} ({described[0]}, {len(described[1])} sharded tensors) where rank {other} has "
+                    f"{their_place} ({their_described[0]}, {len(their_described[1])} sharded tensors)")
+    longer, at = (mine, rank) if len(mine) > len(theirs) else (theirs, other)
+    extra = longer[min(len(mine), len(theirs))][0]
+    return (f"the ranks return different sharded values, which cannot be gathered: only rank {at} returns "
+            f"{extra}; return the same sharded values on every rank")
+
+
+class _Gathering:
+    """Whole copies of sharded things, one DTensor at a time; ``keep``: this rank keeps them (rank 0)."""
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+        self.done: dict[int, Any] = {}  # id(original) -> its whole copy: a tensor shared by a model and an optimizer
+        self._originals: list = []  # (keeps every original alive while its id is a key)
+
+    def whole(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        if isinstance(obj, torch.nn.Module):
+            return self.module(obj)
+        return self.optimizer(obj)
+
+    def _remember(self, original: Any, copy: Any) -> Any:
+        self.done[id(original)] = copy
+        self._originals.append(original)
+        return copy
+
+    def tensor(self, tensor: Any) -> Any:
+        if tensor is None or id(tensor) in self.done:
+            return self.done.get(id(tensor))
+        if not is_dtensor(tensor):
+            return self._remember(tensor, tensor)  # a plain tensor: the result's pickler copies it
+        import torch
+
+        with torch.no_grad():
+            full = tensor.full_tensor()
+        if not self.keep:
+            return self._remember(tensor, None)
+        full = full.to("cpu")  # (already a fresh tensor of its own on a CPU rank)
+        if isinstance(tensor, torch.nn.Parameter):
+            full = torch.nn.Parameter(full, requires_grad=tensor.requires_grad)
+        else:
+            full.requires_grad_(tensor.requires_grad and tensor.grad_fn is None)
+        return self._remember(tensor, full)
+
+    def module(self, module: Any) -> Any:
+        for sub in module.modules():
+            if _is_fsdp2(sub):
+                sub.reshard()  # left unsharded by a forward without backward: the sharded parameters are the ones
+                #                its optimizer steps
+        return self._copy(_unwrapped(module))
+
+    def _copy(self, module: Any) -> Any:
+        if id(module) in self.done:
+            return self.done[id(module)]
+        parameters = {name: self.tensor(p) for name, p in module._parameters.items()}
+        buffers = {name: self.tensor(b) for name, b in module._buffers.items()}
+        children = {name: None if child is None else self._copy(_unwrapped(child))
+                    for name, child in module._modules.items()}
+        if not self.keep:
+            return self._remember(module, None)
+        copy = object.__new__(_plain_class(type(module)))
+        state = {name: item for name, item in vars(module).items() if not name.startswith(_FSDP_ATTRIBUTE_PREFIXES)}
+        for name, item in state.items():
+            if isinstance(item, dict) and "hooks" in name and name not in _HOOK_FLAGS:
+                state[name] = type(item)((key, hook) for key, hook in item.items()
+                                         if not _hook_from_torch_distributed(hook))
+        for name, hooks in _HOOK_FLAGS.items():
+            if name in state:
+                state[name] = type(state[name])((key, flag) for key, flag in state[name].items()
+                                                if key in state[hooks])
+        state.update(_parameters=parameters, _buffers=buffers, _modules=children)
+        copy.__dict__.update(state)
+        return self._remember(module, copy)
+
+    def optimizer(self, opt: Any) -> Any:
+        groups = [dict(group, params=[self.tensor(p) for p in group["params"]]) for group in opt.param_groups]
+        states = [(whole_param, {key: self.tensor(item) if _is_tensor(item) else item
+                                 for key, item in opt.state[p].items()})
+                  for group, whole_group in zip(opt.param_groups, groups)
+                  for p, whole_param in zip(group["params"], whole_group["params"]) if p in opt.state]
+        if not self.keep:
+            return self._remember(opt, None)
+        copy = object.__new__(type(opt))
+        copy.__dict__.update(vars(opt))
+        copy.param_groups = groups
+        copy.state = collections.defaultdict(dict, states)
+        return self._remember(opt, copy)
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _unwrapped(module: Any) -> Any:
+    """The module inside DDP and ``torch.compile`` wrappers."""
+    from ..wire.payload import unwrap_model
+
+    return unwrap_model(module)
+
+
+def _plain_class(cls: type) -> type:
+    """The user's class of a module FSDP2 gave a class of its own (``FSDPNet`` -> ``Net``)."""
+    while _from_torch_distributed(cls):
+        bases = [base for base in cls.__bases__ if not _from_torch_distributed(base)]
+        if len(bases) != 1:
+            break
+        cls = bases[0]
+    return cls
+
+
+def _from_torch_distributed(cls: type) -> bool:
+    return (cls.__module__ or "").startswith("torch.distributed")
+
+
+def _hook_from_torch_distributed(hook: Any) -> bool:
+    """Is ``hook`` (a function, bound method, partial, or torch's wrapped hook) torch.distributed's (FSDP's, or a
+    tensor parallel style's)?"""
+    for attribute in ("hook", "func", "__func__"):  # torch's _WrappedHook, functools.partial, a bound method
+        inner: Callable | None = getattr(hook, attribute, None)
+        if inner is not None and inner is not hook:
+            return _hook_from_torch_distributed(inner)
+    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed")

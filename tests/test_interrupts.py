@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 4))
 sampler = DistributedSampler(data)
@@ -263,3 +264,31 @@ def test_torch_compile_of_a_ddp_model_over_a_loader_sees_no_global_module_hook(n
     # Before, the loader's all-reduce timing found DDP models through a global forward pre-hook, and torch.compile
     # warned "Using `torch.compile(module)` when there are global hooks on modules".
     assert ddp_notebook.launch(_compiled_ddp_over_a_loader, cpus=2) == [([], 3, True), ([], 3, True)]
+
+
+def _a_forward_on_rank_0_alone():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        if dist.get_rank() == 0 and step % 2:
+            print(model(torch.randn(3, 8)).shape)  # a look at one batch, no backward: plain DDP allows it
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def test_a_training_forward_on_one_rank_alone_takes_no_part_in_the_stop_agreement(no_leftovers):
+    import ddp_notebook
+
+    # Only the first training forward after a backward is a boundary: rank 0's extra forward would otherwise have
+    # joined an agreement rank 1 never did (on gloo, paired with DDP's gradient all-reduce: the rank aborted).
+    assert ddp_notebook.launch(_a_forward_on_rank_0_alone, cpus=2) == [True, True]

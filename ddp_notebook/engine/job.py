@@ -126,6 +126,7 @@ class Job(EventSource):
         self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
         self.interrupted_where: "stacks.RankStacks | None" = None  # each rank's stack as a hard interrupt came
         self.interrupted_where_told = False  # ... already printed
+        self.show_where_interrupted = False  # a foreground cell shows where the ranks were when stopped hard
         self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
         self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
         self._stopped_where: dict[int, dict] = {}
@@ -538,7 +539,7 @@ class Job(EventSource):
         if self._outcome is None:  # stopped, or a foreground run interrupted (Jupyter's stop button)
             stopped = JobStopped(self.task_id, self._stopped_by) if self._stop_requested else KeyboardInterrupt()
             self._outcome = ("error", stopped)
-            if not self._stop_requested and self.interrupted_where is None:
+            if not self._stop_requested and self.interrupted_where is None and self.show_where_interrupted:
                 self.interrupted_where = self._where_now()
         if self._owns_group:
             if self.group is not None:
@@ -551,7 +552,8 @@ class Job(EventSource):
         """Every rank's stack before a hard stop ends it (briefly: the user is waiting)."""
         try:
             if self.group is not None and self.group.alive:
-                return stacks.collect(self.group, list(self.targets), wait=0.5)
+                found = stacks.collect(self.group, list(self.targets), wait=1.0)
+                return found if any(frames is not None for frames in found.frames.values()) else None
         except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second interrupt: stop without it
             pass
         return None

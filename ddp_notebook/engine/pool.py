@@ -42,6 +42,7 @@ COLLECTIVES = {
 _INTERRUPT_WAIT_S = 3.0
 _SYNC_TIMEOUT_S = 5.0  # every rank back at the store
 _CHECK_TIMEOUT_S = 5.0  # the process group's check after it (rank.worker._check_group)
+_REPLICAS_TIMEOUT_S = 120.0  # the DDP replicas compared, and rank 0's copied where they differ (rank.replicas)
 
 
 def current() -> "Pool | None":
@@ -332,26 +333,31 @@ class Pool:
         if self._stopping:
             self.restart("stopping")  # only ends the ranks
             return
+        try:
+            why, checked = self._bring_back(job)
+        except KeyboardInterrupt:  # yet another interrupt: the ranks may be anywhere in the checks' collectives
+            why, checked = "the ranks were interrupted again while they were brought back", []
+        if why is not None:
+            self.restart(why)
+            return
+        print(f"ddp_notebook: cell interrupted; {replicas_news(checked)}", file=sys.stderr)
+
+    def _bring_back(self, job: Job) -> tuple[str | None, list[dict]]:
         group = self.group
         group.signal(job.targets, signal.SIGINT)
         deadline = time.monotonic() + _INTERRUPT_WAIT_S
         while not self._answered(job) and time.monotonic() < deadline:
             group.pump(0.05)
         if not self._answered(job):
-            self.restart("the ranks could not be brought back to a common point after the interrupt")
-            return
-        why, checked = self._sync(job.task_id)
-        if why is not None:
-            self.restart(why)
-            return
-        print(f"ddp_notebook: cell interrupted; {replicas_news(checked)}", file=sys.stderr)
+            return "the ranks could not be brought back to a common point after the interrupt", []
+        return self._sync(job.task_id)
 
     def _sync(self, task_id: int) -> tuple[str | None, list[dict]]:
         """Every rank meets at the store, then checks the process group (``rank.worker._check_group``: on a GPU
         the device is synchronised first) and its DDP replicas (``rank.replicas.reconcile``).  (None, what the
         replica check found) when the pool may keep its ranks, else (why it may not, [])."""
         group = self.group
-        at: dict[str, set[int]] = {"store": set(), "group": set()}  # the ranks past each stage
+        at: dict[str, set[int]] = {"store": set(), "group": set(), "replicas": set()}  # the ranks past each stage
         failed: dict[int, dict] = {}
         checked: list[dict] = []
 
@@ -359,7 +365,7 @@ class Pool:
             if body.get("task") == task_id:
                 if kind == protocol.SYNCED:
                     at[body.get("stage", "group")].add(rank)
-                    if rank == 0:
+                    if rank == 0 and body.get("stage") == "replicas":
                         checked[:] = body.get("replicas") or []
                 elif kind == protocol.FAILED:
                     failed[rank] = body
@@ -377,8 +383,18 @@ class Pool:
                 if group.exited:
                     deadline = min(deadline, time.monotonic() + 1)
                 group.pump(0.05)
-        if at["group"] == everyone:
+            # The replica check copies rank 0's model (and its optimizer state) where they differ: its own deadline.
+            deadline = time.monotonic() + _REPLICAS_TIMEOUT_S
+            while at["group"] == everyone and at["replicas"] | set(failed) | set(group.exited) != everyone \
+                    and time.monotonic() < deadline:
+                if group.exited:
+                    deadline = min(deadline, time.monotonic() + 1)
+                group.pump(0.05)
+        if at["replicas"] == everyone:
             return None, checked
+        if at["group"] == everyone and not failed and not group.exited:
+            return f"the check of the DDP replicas after the interrupt did not finish within " \
+                   f"{_REPLICAS_TIMEOUT_S:g} s", []
         # One rank past the store barrier means every rank reached it: what failed after that is the process group
         # (a rank whose stale collective gets the check's data may end before it says it is past the barrier).
         if not at["store"]:

@@ -322,6 +322,7 @@ class DDPMagics(Magics):
 
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)
+        job.show_where_interrupted = True
         try:
             api.start_job(job)
         except LaunchError as exc:
@@ -332,10 +333,12 @@ class DDPMagics(Magics):
             raise _interrupted_hard(job) from None
         finally:
             settle(job)
+        if job.stopped_text:
+            if returns:
+                shell.user_ns.update(results[0].values)
+            raise CellStopped(job, list(results[0].values) if returns else [], results[0].missing if returns else [])
         if returns:
             _take_returns(shell, results[0])
-        if job.stopped_text:
-            raise CellStopped(job, [name for name in returns if name in results[0].values])
 
     @magic_arguments()
     @argument("--gpus", default=None, metavar="N|I,J,..", help="a GPU count or indices, as for %%ddp")
@@ -535,8 +538,10 @@ class CellStopped(KeyboardInterrupt):
     """A graceful stop ended the cell: what it kept is in the notebook, and like any interrupted cell it fails, so
     that the cells queued after it ("Run All") are not run.  Shown as one line, with no traceback."""
 
-    def __init__(self, job, returned: list[str]):
+    def __init__(self, job, returned: list[str], missing: list[str]):
         kept = f"; --return copied {', '.join(returned)} to the notebook" if returned else ""
+        if missing:
+            kept += f"; the cell had not assigned {', '.join(missing)} yet"
         super().__init__(f"ddp_notebook: {job.stopped_text}{kept}. The cells queued after this one are not run.")
 
     def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of a traceback

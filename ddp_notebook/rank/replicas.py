@@ -12,6 +12,8 @@ Models are found without a global module hook (``torch.compile`` warns about tho
 from __future__ import annotations
 
 import functools
+import gc
+import sys
 import weakref
 from typing import Any
 
@@ -19,6 +21,7 @@ from . import stopping, timing
 
 _models: list = []  # weak references to this rank's DDP models, in the order they were made
 _training_forwards: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> training forwards run
+_backward_since: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> a backward since its boundary
 _installed = False
 
 
@@ -37,13 +40,43 @@ def install() -> None:
         _watch(self)
 
     DistributedDataParallel.__init__ = __init__
+    _not_traced(_before_forward)
     _installed = True
 
 
+def _not_traced(fn) -> None:
+    """Run ``fn`` (and what it calls) as plain Python under ``torch.compile`` (as ``torch.compiler.disable`` does,
+    without importing torch._dynamo: 1.5 s): traced, its counters became guards that recompiled it every step."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+        eval_frame.set_code_exec_strategy(fn.__code__, skip)
+    except (ImportError, AttributeError, TypeError):  # a torch without it: traced, and recompiled (still correct)
+        pass
+
+
 def _watch(model) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size(model.process_group) != dist.get_world_size():
+        return  # a model of some ranks (hybrid or ensemble parallelism): neither a boundary of all nor one replica
+    _models[:] = [ref for ref in _models if ref() is not None]
     _models.append(weakref.ref(model))
     _training_forwards[model] = 0
+    _backward_since[model] = True
     model.register_forward_pre_hook(_before_forward)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if trained:
+        reference = weakref.ref(model)
+        torch.autograd.graph.register_multi_grad_hook(trained, lambda _grads: _backward_ran(reference), mode="any")
+
+
+def _backward_ran(reference) -> None:
+    model = reference()
+    if model is not None:
+        _backward_since[model] = True
 
 
 def _before_forward(model, _inputs) -> None:
@@ -56,41 +89,53 @@ def _before_forward(model, _inputs) -> None:
     if join is not None and join.enable:
         return  # under Join ranks run different numbers of forwards: no collective of ours may pair them
     _training_forwards[model] = _training_forwards.get(model, 0) + 1
+    # Only the first training forward after a backward: a forward on one rank alone (a shape check on rank 0, with no
+    # backward) would otherwise take part in an agreement the other ranks never join.  Every rank runs each backward.
+    if not _backward_since.get(model, True):
+        return
+    _backward_since[model] = False
     stopping.at_forward()
-
-
 def models() -> list:
     """This rank's live DDP models, oldest first."""
     return [model for model in (ref() for ref in _models) if model is not None]
 
 
 def _checksum(model) -> tuple[float, float]:
+    """Of the parameters only: buffers such as BatchNorm's running statistics are each rank's own between forwards
+    (DDP broadcasts them from rank 0 before each)."""
     import torch
 
-    total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            values = tensor.detach().to(torch.float64)
-            total += torch.stack([values.sum(), values.square().sum()]).cpu()
+        parts = [torch.stack([torch.sum(p, dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
+                 for p in model.parameters()]
+        total = torch.stack(parts).sum(0).cpu() if parts else torch.zeros(2, dtype=torch.float64)
     return float(total[0]), float(total[1])
 
 
 def _name_in(namespace: dict, value: Any) -> str | None:
-    return next((name for name, held in namespace.items() if held is value and not name.startswith("_")), None)
+    def held(item):
+        return item is value or getattr(item, "_orig_mod", None) is value  # (torch.compile's wrapper)
+
+    return next((name for name, item in namespace.items() if held(item) and not name.startswith("_")), None)
 
 
 def _training_state_of(model, namespace: dict) -> dict[str, Any]:
-    """The optimizers that train ``model`` and the LR schedulers that drive them, by their names in the cell."""
+    """What trains ``model``, by its name in the cell: its optimizers, the LR schedulers that drive them, and the
+    cell's gradient scalers.  A ZeroRedundancyOptimizer is left out: its state is sharded over the ranks anyway."""
     import torch
 
     params = {id(p) for p in model.parameters()}
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", ())
     found = {name: value for name, value in namespace.items()
-             if isinstance(value, torch.optim.Optimizer) and not name.startswith("_")
+             if isinstance(value, torch.optim.Optimizer) and not isinstance(value, zero) and not name.startswith("_")
              and any(id(p) in params for group in value.param_groups for p in group["params"])}
     optimizers = {id(opt) for opt in found.values()}
     found.update({name: value for name, value in namespace.items()
                   if isinstance(value, torch.optim.lr_scheduler.LRScheduler) and not name.startswith("_")
                   and id(getattr(value, "optimizer", None)) in optimizers})
+    if found:
+        found.update({name: value for name, value in namespace.items()
+                      if isinstance(value, torch.amp.GradScaler) and value.is_enabled() and not name.startswith("_")})
     return found
 
 
@@ -101,6 +146,8 @@ def _on_cpu(value: Any) -> Any:
         return value.detach().cpu()
     if isinstance(value, dict):
         return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_on_cpu(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_on_cpu(v) for v in value)
     return value
@@ -108,14 +155,17 @@ def _on_cpu(value: Any) -> Any:
 
 def reconcile(namespace: dict, group=None) -> list[dict]:
     """After a hard stop, with every rank here: compare each DDP model across the ranks and give every rank rank
-    0's parameters, buffers, optimizer and LR-scheduler state where they differ.  One entry per model: its name,
-    whether the ranks agreed, each rank's count of training forwards, and what was copied from rank 0."""
+    0's parameters, buffers, optimizer, LR-scheduler and gradient-scaler state where they differ.  One entry per
+    model: its name, whether the ranks agreed, each rank's count of training forwards, and what was copied."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return []
+    gc.collect()  # a DDP model the cell let go of sits in reference cycles until a collection, on each rank its own
     held = models()
+    for model in held:  # a hard stop may have come between a rank's backward and another's: start alike
+        _backward_since[model] = True
     mine = [(_training_forwards.get(model, 0), _checksum(model)) for model in held]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=group)
@@ -126,21 +176,27 @@ def reconcile(namespace: dict, group=None) -> list[dict]:
     report = []
     for index, model in enumerate(held):
         states = [states[index] for states in everyone]
-        name = _name_in(namespace, model)
-        entry = {"name": name, "agreed": all(state == states[0] for state in states),
+        entry = {"name": _name_in(namespace, model), "agreed": all(state == states[0] for state in states),
                  "forwards": [state[0] for state in states], "copied": []}
         report.append(entry)
         if entry["agreed"]:
             continue
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=0, group=model.process_group)
         # What trains it, by name: rank 0 says which, as the ranks' namespaces may differ.
         training = _training_state_of(model, namespace)
-        sent = [{name: _on_cpu(value.state_dict()) for name, value in training.items()}]
+        sent: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                sent[0] = {"states": {name: _on_cpu(value.state_dict()) for name, value in training.items()}}
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait in the broadcast
+                sent[0] = {"error": f"{type(exc).__name__}: {exc}"}
         dist.broadcast_object_list(sent, src=0, group=group)
-        for state_name, state in sent[0].items():
-            if dist.get_rank() != 0 and state_name in training:
-                training[state_name].load_state_dict(state)
-        entry["copied"] = sorted(sent[0])
+        if "error" in sent[0]:
+            raise RuntimeError(f"rank 0 could not share the training state of its DDP model: {sent[0]['error']}")
+        for name, state in sent[0]["states"].items():
+            if dist.get_rank() != 0 and name in training:
+                training[name].load_state_dict(state)
+        entry["copied"] = sorted(sent[0]["states"])
     return report

@@ -88,9 +88,10 @@ def _agree(ctx, state: _State, pace: int = 1) -> bool:
         mine = state.task_id in _requested
     if not (dist.is_available() and dist.is_initialized()):
         return mine
-    flag = torch.tensor([1 if mine else 0, pace], dtype=torch.int32)
+    flag = torch.tensor([1 if mine else 0, -pace], dtype=torch.int32)  # (-MAX(-pace): the slowest rank's pace)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_group(ctx))
-    stop, state.pace = flag.tolist()
+    stop, least = flag.tolist()
+    state.pace = -least
     return bool(stop)
 
 

@@ -42,11 +42,12 @@ def _comm_waited(seconds: float) -> None:
 
 def reset() -> None:
     """Forget what was timed (a new task starts: an earlier cell's batches are not its)."""
-    global _step_comm
+    global _step_comm, _wanted
     with _lock:
         for name in _totals:
             _totals[name] = 0 if name in ("batches", "samples") else 0.0
         _step_comm = 0.0
+    _wanted = False
 
 
 def take() -> dict | None:
@@ -83,7 +84,7 @@ def time_allreduce(model) -> None:
         return
     _hooked.add(model)
     try:
-        model.register_comm_hook(None, _timed_allreduce)
+        model.register_comm_hook(model.process_group, _timed_allreduce)
     except RuntimeError:
         pass  # a hook of the user's, or training already under way: no all-reduce timing for this model
 

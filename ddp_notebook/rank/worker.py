@@ -198,9 +198,10 @@ def _sync(ctx, sender, body: dict, namespace: dict) -> None:
         stage = "group"
         sender.send_now(protocol.SYNCED, {"task": body["task"], "stage": "store"})
         _check_group(ctx, body["task"], body.get("check_timeout", timeout))
+        sender.send_now(protocol.SYNCED, {"task": body["task"], "stage": "group"})
         stage = "replicas"
         checked = replicas.reconcile(namespace, group=ctx.extra.get("cpu_group"))
-        sender.send(protocol.SYNCED, {"task": body["task"], "stage": "group", "replicas": checked})
+        sender.send(protocol.SYNCED, {"task": body["task"], "stage": "replicas", "replicas": checked})
     except Exception as exc:  # noqa: BLE001
         sender.send(protocol.FAILED, {**failure_report(exc, {}, kind="comm"), "task": body["task"], "stage": stage})
     sender.flush()

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import ddp_notebook
 from ddp_notebook import RankError
 from ddp_notebook.engine import pool, spec as job_spec
+from ddp_notebook.rank import sharded
 from nbrun import execute, kernel, run_until_pids
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -144,11 +145,22 @@ def _state_dict_and_tensors(dims):
     return state, {name: t.full_tensor() for name, t in state.items()}, [state["weight"], torch.ones(2)]
 
 
+def _meeting_keys_left_by_the_task_before():
+    from ddp_notebook.rank import context
+
+    ctx = context.current()
+    key = f"ddp_notebook/sharded/{ctx.extra['task'] - 1}/0"
+    names = [f"{key}/{name}" for name in ("arrived", "all", "read", *(f"rank{r}" for r in range(ctx.world_size)))]
+    return [name for name in names if ctx.extra["store"].check([name])]
+
+
 def test_a_state_dict_and_bare_dtensors_come_back_whole(warm):
     state, full, listed = ddp_notebook.launch(_state_dict_and_tensors, args=((5, 2),))[0]
     assert {name: type(t) for name, t in state.items()} == {"weight": torch.Tensor, "bias": torch.Tensor}
     assert all(torch.equal(state[name], full[name]) for name in full)
     assert listed[0] is state["weight"] and torch.equal(listed[1], torch.ones(2))
+    # The ranks met in the job's store to agree on what they gather; the meeting's keys are gone.
+    assert ddp_notebook.launch(_meeting_keys_left_by_the_task_before) == [[]] * warm.spec.world_size
 
 
 def _tensor_parallel():
@@ -196,6 +208,9 @@ def _returns_sharded(how: str):
     if how == "set":
         return {model.weight}
     if how == "rank 0 only":
+        import os
+
+        os.environ["DDP_NOTEBOOK_SHARDED_ARRIVAL_S"] = "3"  # (rank 0 waits that long for the others, then refuses)
         return model if dist.get_rank() == 0 else None
     if how == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -207,8 +222,9 @@ def _returns_sharded(how: str):
 @pytest.mark.parametrize("how, message", [
     ("set", r"the return value is a set holding DTensors: a set has no order every rank shares to gather them in; "
             r"return them in a list or dict"),
-    ("rank 0 only", r"the ranks return different sharded values, which cannot be gathered: only rank 0 returns the "
-                    r"return value; return the same sharded values on every rank"),
+    ("rank 0 only", r"the ranks return different sharded values, which cannot be gathered: rank 0 returns the return "
+                    r"value, and (rank 1|ranks 1, 2) returned no sharded value within 3 s \(a rank may lag "
+                    r"DDP_NOTEBOOK_SHARDED_ARRIVAL_S seconds\); return the same sharded values on every rank"),
     ("fsdp1", r"the return value is an FSDP1 model \(FullyShardedDataParallel\): its parameters are each rank's "
               r"flat shard and cannot be returned whole; return its full state dict instead"),
 ])
@@ -216,6 +232,68 @@ def test_what_cannot_be_gathered_is_refused_in_one_line(warm, how, message):
     with pytest.raises(RankError, match=message):
         ddp_notebook.launch(_returns_sharded, args=(how,))
     assert ddp_notebook.launch(_returns_sharded, args=("whole",))[0].weight.shape == (3, 4)  # the pool goes on
+
+
+def _a_plain_result_recording_what_follows():
+    # In a rank forked from the rank template, FSDP and DTensors are imported (sharded.in_use() is true); what
+    # follows the return here (the task's end) is recorded into the returned list, which is pickled last.
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.tensor  # noqa: F401 - as the rank template does, whether or not this rank was forked
+
+    from ddp_notebook.rank import context, sharded
+
+    calls: list[str] = []
+
+    def recording(name, original):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+        return call
+
+    for module in (dist, dist.distributed_c10d):
+        for name in ("all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
+                     "broadcast_object_list", "gather_object", "barrier", "_get_default_store"):
+            if hasattr(module, name):
+                setattr(module, name, recording(name, getattr(module, name)))
+
+    class Store:
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            calls.append(f"store.{name}")
+            return getattr(self.store, name)
+
+    ctx = context.current()
+    ctx.extra["store"] = Store(ctx.extra["store"])
+    return {"in_use": sharded.in_use(), "model": torch.nn.Linear(2, 2), "at the end": calls}
+
+
+def test_a_plain_result_ends_the_task_with_no_collective_and_no_store_operation(no_leftovers):
+    for out in ddp_notebook.launch(_a_plain_result_recording_what_follows, cpus=2):
+        assert out["in_use"] and out["at the end"] == [] and out["model"].weight.shape == (2, 2)
+
+
+def _rank_0_returns_a_sharded_model():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Linear(4, 3))
+    return model if dist.get_rank() == 0 else "nothing sharded"
+
+
+def test_a_sharded_model_only_rank_0_returns_is_refused_within_the_arrival_timeout(monkeypatch, no_leftovers):
+    monkeypatch.setenv(sharded.ARRIVAL_TIMEOUT_ENV, "2")
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ddp_notebook.launch(_rank_0_returns_a_sharded_model, cpus=2)
+    assert time.monotonic() - started < 45  # the 2 s, not the 60 s default, and no hang
+    assert info.value.rank == 0
+    assert ("the ranks return different sharded values, which cannot be gathered: rank 0 returns the return value, "
+            "and rank 1 returned no sharded value within 2 s (a rank may lag DDP_NOTEBOOK_SHARDED_ARRIVAL_S "
+            "seconds); return the same sharded values on every rank") in str(info.value)
 
 
 NET_CELL = '''

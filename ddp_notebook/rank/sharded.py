@@ -1,19 +1,25 @@
 """Sharded models made whole for the notebook: FSDP2 (``fully_shard``), tensor parallel modules (DTensor
 parameters from ``parallelize_module``), their optimizers and bare DTensors.
 
-A rank holds only its shards, so what a task returns cannot simply be pickled: at the task's end every rank walks
-its own return value the same way (:func:`sharded_in`), the ranks agree that they found the same things in the same
-order, and each DTensor is gathered one at a time (``full_tensor()``, an all-gather every rank joins).  Rank 0 keeps
-a plain CPU copy of each; the other ranks drop theirs at once, so they peak at their shards plus one tensor.  Rank 0
-builds copies of the modules and optimizers on those tensors, of the user's own class, without FSDP's hooks; the
-ranks' own objects are never changed (an FSDP2 module unsharded by a forward without backward is resharded first,
-as its next backward would).
+A rank holds only its shards, so what a task returns cannot simply be pickled: at the task's end every rank walks its
+own return value the same way (:func:`sharded_in`).  A rank that finds nothing sharded does nothing more: no
+collective, no store operation (the rank template imports FSDP and DTensors, so most tasks end this way).  The ranks
+that find something meet in the job's TCPStore, not in the process group, and agree that every rank found the same
+things in the same order (a rank that found nothing never arrives: the others refuse after
+``DDP_NOTEBOOK_SHARDED_ARRIVAL_S`` seconds, where a collective would hang); then each DTensor is gathered one at a
+time (``full_tensor()``, an all-gather every rank joins).  Rank 0 keeps a plain CPU copy of each; the other ranks drop
+theirs at once, so they peak at their shards plus one tensor.  Rank 0 builds copies of the modules and optimizers on
+those tensors, of the user's own class, without FSDP's hooks; the ranks' own objects are never changed (an FSDP2
+module unsharded by a forward without backward is resharded first, as its next backward would).
 
 Rank side; self-contained (torch is imported only where a task already did).
 """
 from __future__ import annotations
 
 import collections
+import datetime
+import json
+import os
 import sys
 import types
 from typing import Any, Callable
@@ -23,6 +29,9 @@ _FSDP_ATTRIBUTE_PREFIXES = ("__composable_api_state_key", "_fsdp_use_orig_params
 # Flags kept per forward hook id, beside the hooks themselves.
 _HOOK_FLAGS = {"_forward_pre_hooks_with_kwargs": "_forward_pre_hooks", "_forward_hooks_with_kwargs": "_forward_hooks",
                "_forward_hooks_always_called": "_forward_hooks"}
+# How long a rank that returns a sharded value waits for every other rank to say that it returns the same.
+ARRIVAL_TIMEOUT_ENV = "DDP_NOTEBOOK_SHARDED_ARRIVAL_S"
+ARRIVAL_TIMEOUT_S = 60.0
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, bytearray, range, types.FunctionType, type,
           types.ModuleType, types.BuiltinFunctionType, types.MethodType)
 
@@ -130,34 +139,99 @@ def _gathered_tensors(obj: Any) -> list:
 
 
 def whole_copies(value: Any, where: str, rank: int, world_size: int, every_rank_runs: bool = True) -> list[tuple]:
-    """Collective, on every rank at a task's end: the sharded things in ``value`` (:func:`sharded_in`), each with
-    its whole copy on rank 0 (None elsewhere), in the order found: [(object, whole copy)].
+    """At a task's end, on every rank: the sharded things in ``value`` (:func:`sharded_in`), each with its whole copy
+    on rank 0 (None elsewhere), in the order found: [(object, whole copy)].
 
-    Raises :class:`ShardedResultError`, on every rank alike, where that cannot be done."""
+    A rank that finds nothing returns [] at once, with no collective and no store operation.  The ranks that find
+    something first agree, in the job's store, that every rank found the same (:func:`_agree`), then gather
+    together.  Raises :class:`ShardedResultError` where that cannot be done."""
     if not in_use():
         return []
-    import torch.distributed as dist
-
     found = sharded_in(value, where)
-    if not every_rank_runs:
-        if found:
-            raise ShardedResultError(f"{found[0][0]} is sharded over every rank, and this task runs on some of them "
-                                     f"only: return it from a cell that runs on every rank")
+    if not found:
         return []
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        if found:
+    if not every_rank_runs:
+        raise ShardedResultError(f"{found[0][0]} is sharded over every rank, and this task runs on some of them "
+                                 f"only: return it from a cell that runs on every rank")
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
             raise ShardedResultError(f"{found[0][0]} is sharded, and the process group is gone: a sharded value is "
                                      f"gathered after the task returns, so leave the process group up until then")
-        return []
-    if world_size > 1:
-        mine = [(place, _describe(obj)) for place, obj in found]
-        every: list = [None] * world_size
-        dist.all_gather_object(every, mine)
-        for other, theirs in enumerate(every):
-            if theirs != mine:
-                raise ShardedResultError(_difference(mine, theirs, rank, other))
+        _agree([(place, _describe(obj)) for place, obj in found], rank, world_size)
     gathering = _Gathering(keep=rank == 0)
     return [(obj, gathering.whole(obj)) for _, obj in found]
+
+
+def _arrival_timeout() -> float:
+    return float(os.environ.get(ARRIVAL_TIMEOUT_ENV) or ARRIVAL_TIMEOUT_S)
+
+
+def _store() -> Any:
+    """The job's TCPStore (a notebook's ranks), else the process group's own (under torchrun)."""
+    from . import context
+
+    ctx = context.current()
+    store = ctx.extra.get("store") if ctx is not None else None
+    if store is None:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+    return store
+
+
+def _meeting_key() -> str:
+    """This task's and attempt's meeting, the same on every rank (a warm pool's task ids are unique)."""
+    from . import context
+
+    ctx = context.current()
+    task = ctx.extra.get("task", "run") if ctx is not None else "run"
+    return f"ddp_notebook/sharded/{task}/{context.attempt()}"
+
+
+def _agree(mine: list, rank: int, world_size: int) -> None:
+    """Meet every other rank in the store and check that each returns the sharded values ``mine`` describes; raise
+    :class:`ShardedResultError` where one returns others, or none within the arrival timeout (a rank that returns
+    none never comes: it does nothing at a task's end).  Nothing of the process group is used, so nothing hangs."""
+    import torch.distributed as dist
+
+    store = _store()
+    key = _meeting_key()
+    mine = json.loads(json.dumps(mine))  # as every rank reads it back (tuples become lists)
+    own, arrived, everyone, read = f"{key}/rank{rank}", f"{key}/arrived", f"{key}/all", f"{key}/read"
+    store.set(own, json.dumps(mine))
+    if store.add(arrived, 1) == world_size:
+        store.set(everyone, "")
+    else:
+        timeout = _arrival_timeout()
+        try:
+            store.wait([everyone], datetime.timedelta(seconds=timeout))
+        except dist.DistStoreError:
+            absent = [other for other in range(world_size) if not store.check([f"{key}/rank{other}"])]
+            # Only an arrival brings the count to world_size, and that arrival opens the meeting: once this rank has
+            # left, no later one can (it refuses in its turn).
+            left = store.add(arrived, -1)
+            if left != world_size - 1:
+                store.delete_key(own)
+                if left == 0:
+                    store.delete_key(arrived)
+                late = _ranks_text(absent) if absent else "not every other rank"
+                raise ShardedResultError(
+                    f"the ranks return different sharded values, which cannot be gathered: rank {rank} returns "
+                    f"{mine[0][0]}, and {late} returned no sharded value within {timeout:g} s (a rank may lag "
+                    f"{ARRIVAL_TIMEOUT_ENV} seconds); return the same sharded values on every rank") from None
+    every = [json.loads(store.get(f"{key}/rank{other}")) for other in range(world_size)]
+    if store.add(read, 1) == world_size:  # the last to read clears the meeting
+        for name in (*(f"{key}/rank{other}" for other in range(world_size)), arrived, everyone, read):
+            store.delete_key(name)
+    for other, theirs in enumerate(every):
+        if theirs != mine:
+            raise ShardedResultError(_difference(mine, theirs, rank, other))
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def _difference(mine: list, theirs: list, rank: int, other: int) -> str:

@@ -323,7 +323,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if interruptible is not None:
             interruptible.clear()
         if sender is not None:
-            # Every rank joins the gather of the sharded values it returns, sent or not (a cell's are rank 0's).
+            # Every rank that returns a sharded value joins its gather, sent or not (a cell's are rank 0's).
             whole = sharded.whole_copies(value.values if isinstance(value, payload.CellResult) else value,
                                          "" if isinstance(value, payload.CellResult) else "the return value",
                                          ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True))

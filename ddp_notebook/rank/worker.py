@@ -98,7 +98,9 @@ class Inbox:
         try:
             with channel.whole_message():  # an interrupt waits until the message is read whole
                 return self._conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError) as exc:
+            if isinstance(exc, channel.FrameRefused):
+                print(f"ddp_notebook: this rank stops: {exc}", file=sys.stderr, flush=True)
             _die_with_group()
             raise
 
@@ -410,7 +412,7 @@ def serve(boot: dict) -> None:
                                    0o600), "a")  # private, whatever the umask of the process it was forked from
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
-    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))
+    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]), boot.get("startup_timeout"))
     sender = channel.Sender(conn)
     ctx = context.RankContext(
         rank=boot["rank"], local_rank=boot["local_rank"], world_size=boot["world_size"],

@@ -384,3 +384,53 @@ def test_a_relay_that_alters_or_injects_after_the_handshake_is_refused_before_un
         relay.close()
         server.close()
     assert not marker.exists()
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+def _hold_until(folder):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    open(os.path.join(folder, f"started{dist.get_rank()}"), "w").close()
+    while not os.path.exists(os.path.join(folder, "go")):
+        time.sleep(0.05)
+    dist.barrier()  # the group still works through its store
+    return int(os.environ["MASTER_PORT"])
+
+
+_PROBE = """
+import json, socket, sys
+store, port = sys.argv[1], int(sys.argv[2])
+found = {}
+try:
+    open(store, "rb").close()
+    found["store"] = "read"
+except OSError as exc:
+    found["store"] = type(exc).__name__
+try:
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    found["port"] = "connected"
+except OSError as exc:
+    found["port"] = type(exc).__name__
+print(json.dumps(found))
+"""
+
+
+def test_a_single_host_jobs_store_is_out_of_other_users_reach(other_user, tmp_path):
+    import ddp_notebook
+
+    job = ddp_notebook.launch(_hold_until, args=(str(tmp_path),), cpus=2, background=True)
+    try:
+        _until(lambda: all((tmp_path / f"started{r}").exists() for r in range(2)))
+        store = os.path.join(job.group.workdir, "store")
+        assert os.path.exists(store) and os.stat(job.group.workdir).st_mode & 0o777 == 0o700
+        probe = subprocess.run(["runuser", "-u", other_user, "--", ATTACKER_PYTHON, "-c", _PROBE, store,
+                                str(job.group.port)], capture_output=True, text=True, timeout=60, cwd="/")
+        assert json.loads(probe.stdout) == {"store": "PermissionError", "port": "ConnectionRefusedError"}
+    finally:
+        (tmp_path / "go").touch()
+        ports = job.wait()
+    assert ports[0] == ports[1] == job.port

@@ -167,13 +167,17 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
     if not boot["init_group"]:
         return
     startup = datetime.timedelta(seconds=boot["startup_timeout"])
-    extra = {}
-    if boot.get("store_fd") is not None:
-        extra["master_listen_fd"] = boot["store_fd"]
-    store = dist.TCPStore(
-        boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
-        timeout=startup, wait_for_workers=False, **extra,
-    )
+    if boot.get("store_file"):  # in the job's 0700 folder: no other user can reach it (a TCPStore, any local user)
+        store = dist.FileStore(boot["store_file"], ctx.world_size)
+        store.set_timeout(startup)
+    else:
+        extra = {}
+        if boot.get("store_fd") is not None:
+            extra["master_listen_fd"] = boot["store_fd"]
+        store = dist.TCPStore(
+            boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
+            timeout=startup, wait_for_workers=False, **extra,
+        )
     join_group(ctx, boot["backend"], boot.get("timeout"), store)
     ctx.extra["store"] = store
     if boot["backend"] != "gloo":  # a graceful stop's flag is reduced on the CPU

@@ -168,33 +168,38 @@ def test_send_together_delivers_each_message_whole_as_send_bytes_does():
 
 
 def test_receive_now_reads_only_a_message_that_has_arrived_whole():
-    import struct
-    from multiprocessing import Pipe
+    import threading
+
     from multiprocessing.reduction import ForkingPickler
 
     from ddp_notebook.wire.channel import receive_now
 
-    notebook, rank = Pipe()
-    assert receive_now(notebook) == (False, None)  # nothing yet
-    rank.send(("result", {"task": 3, "value": b"\0" * 1000}))
-    rank.send(("bye", {}))
-    assert receive_now(notebook) == (True, ("result", {"task": 3, "value": b"\0" * 1000}))
-    assert receive_now(notebook) == (True, ("bye", {}))
-    # Half a message: nothing is taken; the usual read then waits for the rest and gets it whole.
-    data = bytes(ForkingPickler.dumps(("metric", {"loss": 0.5})))
-    frame = struct.pack("!i", len(data)) + data
-    os.write(rank.fileno(), frame[:7])
-    assert receive_now(notebook) == (False, None)
-    os.write(rank.fileno(), frame[7:])
-    assert notebook.recv() == ("metric", {"loss": 0.5})
-    big = os.urandom(1 << 20)  # more than the socket holds at once: read the usual way
-    sender = __import__("threading").Thread(target=rank.send_bytes, args=(big,))
-    sender.start()
-    time.sleep(0.2)
-    assert receive_now(notebook) == (False, None)
-    assert notebook.recv_bytes() == big
-    sender.join()
-    rank.close()
-    assert receive_now(notebook) == (False, None)  # the end: the usual read raises EOFError
-    with pytest.raises(EOFError):
-        notebook.recv()
+    server = ChannelServer()
+    try:
+        rank = connect(server.address, server.key)
+        notebook = _accepted(server)
+        assert receive_now(notebook) == (False, None)  # nothing yet
+        rank.send(("result", {"task": 3, "value": b"\0" * 1000}))
+        rank.send(("bye", {}))
+        assert receive_now(notebook) == (True, ("result", {"task": 3, "value": b"\0" * 1000}))
+        assert receive_now(notebook) == (True, ("bye", {}))
+        # Half a message: nothing is taken; the usual read then waits for the rest and gets it whole.
+        [frame] = rank._frame(bytes(ForkingPickler.dumps(("metric", {"loss": 0.5}))))
+        os.write(rank.fileno(), frame[:len(frame) // 2])
+        assert receive_now(notebook) == (False, None)
+        os.write(rank.fileno(), frame[len(frame) // 2:])
+        assert notebook.recv() == ("metric", {"loss": 0.5})
+        big = os.urandom(1 << 20)  # more than the socket holds at once: read the usual way
+        sender = threading.Thread(target=rank.send_bytes, args=(big,))
+        sender.start()
+        time.sleep(0.2)
+        assert receive_now(notebook) == (False, None)
+        assert notebook.recv_bytes() == big
+        sender.join()
+        rank.close()
+        assert receive_now(notebook) == (False, None)  # the end: the usual read raises EOFError
+        with pytest.raises(EOFError):
+            notebook.recv()
+        notebook.close()
+    finally:
+        server.close()

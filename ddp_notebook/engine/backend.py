@@ -27,7 +27,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 from ..wire import protocol
-from ..wire.channel import ChannelServer, readable, receive_now, send_together, whole_message
+from ..wire.channel import ChannelServer, FrameRefused, readable, receive_now, send_together, whole_message
 from .output import OutputRelay
 
 log = logging.getLogger("ddp_notebook")
@@ -183,6 +183,7 @@ class ChannelRanks(RankBackend):
         self.channel: ChannelServer | None = None
         self._queued: dict[int, list[tuple]] = {}  # messages for ranks not connected yet
         self._known: dict[Any, int] = {}  # connection -> rank, kept to notice a lost connection
+        self.cut: dict[int, str] = {}  # rank -> why its connection was cut (a message failed its check)
         self._poller: tuple[tuple, Any, dict] | None = None  # (what it watches, select.poll, fd -> object)
         self._exits_checked = 0.0
 
@@ -321,9 +322,13 @@ class ChannelRanks(RankBackend):
                 self._take(conn, kind, body)
                 if not drain:
                     return
-        except (EOFError, OSError):
-            self.connections.pop(conn, None)
+        except (EOFError, OSError) as exc:
+            rank = self.connections.pop(conn, None)
             conn.close()
+            if isinstance(exc, FrameRefused):
+                log.warning("rank %s: %s", rank, exc)
+                if rank is not None and rank >= 0:
+                    self.cut[rank] = str(exc)
 
     def _take(self, conn, kind: str, body: dict) -> None:
         rank = self.connections.get(conn, -1)
@@ -338,6 +343,11 @@ class ChannelRanks(RankBackend):
             self.ready.add(rank)
         log.debug("rank %s: %s %s", rank, kind, sorted(body))
         self.handle(rank, kind, body)
+
+    def describe_exit(self, rank: int, code: int | None) -> str:
+        if rank in self.cut:
+            return f"rank {rank}'s connection to the notebook was cut: {self.cut[rank]}"
+        return super().describe_exit(rank, code)
 
     def handle(self, rank: int, kind: str, body: dict) -> None:
         """A rank's message, once it has said who it is (hook: messages a backend acts on itself)."""

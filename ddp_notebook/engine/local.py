@@ -24,19 +24,34 @@ from .spec import bind_port, free_port
 
 
 class LocalRanks(ChannelRanks):
-    """Every rank a process of this host in its own session: forked from the rank template, or started fresh."""
+    """Every rank a process of this host in its own session: forked from the rank template, or started fresh.
+
+    The process group meets in a ``FileStore`` in the job's 0700 folder, out of other users' reach; with a port
+    given (``--port``), in rank 0's ``TCPStore`` on it.
+    """
+
+    def __init__(self, spec, relay):
+        super().__init__(spec, relay)
+        self._port_held: socket.socket | None = None  # MASTER_PORT, bound (not listening) while the ranks run
 
     def close(self) -> None:
         super().close()
         for proc in self.procs:
             if isinstance(proc, rank_template.ForkedProcess):
                 proc.close()
+        if self._port_held is not None:
+            self._port_held.close()
+            self._port_held = None
 
     def launch(self, task: Any, task_id: int) -> None:
         spec = self.spec
         store_sock = None
         try:
-            if spec.init_group:  # rank 0's TCPStore takes over a socket bound here: no one can take the port
+            if spec.init_group and spec.port is None:  # (the port only for code that reads MASTER_PORT: one
+                self._port_held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # per job, like the others')
+                self._port_held.bind((spec.master_addr, 0))
+                self.port = self._port_held.getsockname()[1]
+            elif spec.init_group:  # rank 0's TCPStore takes over a socket bound here: no one can take the port
                 store_sock = bind_port(spec.master_addr, spec.port)
                 self.port = store_sock.getsockname()[1]
             elif self.port is None:
@@ -61,6 +76,7 @@ class LocalRanks(ChannelRanks):
             "gpus": spec.gpus is not None and spec.init_group, "backend": spec.backend, "init_group": spec.init_group,
             "user_picks_gpu": spec.gpus is not None and not spec.init_group,
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
+            "store_file": os.path.join(self.workdir, "store") if spec.init_group and spec.port is None else None,
             "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
         }
         env = rank_environment(spec, self.port, rank, rank, spec.world_size)

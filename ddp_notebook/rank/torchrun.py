@@ -238,12 +238,28 @@ def _notebook_gone(ctx: context.RankContext, notebook: dict, here: str) -> bool:
 
 def _unreached(ctx: context.RankContext, reached: bool) -> list[int]:
     """The ranks that could not reach the notebook (every rank learns all of them)."""
-    import torch.distributed as dist
-
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, {"reached": reached, "why": ctx.extra.get("unreachable")})
+    everyone = _all_gather_json(ctx, {"reached": reached, "why": ctx.extra.get("unreachable")})
     ctx.extra["unreached_why"] = next((e["why"] for e in everyone if not e["reached"]), None)
     return [rank for rank, e in enumerate(everyone) if not e["reached"]]
+
+
+def _all_gather_json(ctx: context.RankContext, value) -> list:
+    """Every rank's ``value`` (JSON), in rank order.  ``all_gather_object`` would unpickle what the peers send, and
+    anyone who can reach the process group's connections could send a pickle."""
+    import torch
+    import torch.distributed as dist
+
+    device = ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(value).encode()
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s.item()) for s in sizes]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    everyone = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, mine)
+    return [json.loads(bytes(t[:n].tolist())) for t, n in zip(everyone, sizes)]
 
 
 def _leave_notebook(sender, finished, unreached: list[int], why: str | None, run_dir: str) -> None:
@@ -281,12 +297,10 @@ class NodeLog:
     Local rank 0 of each node listens on a local channel; every rank of the node
     (itself included) sends it what ``report()``/``progress()`` send a notebook,
     and its failure.  The address, key and the run's id reach the ranks through
-    the process group (one ``all_gather_object`` at start).
+    the process group (one gather of JSON at start: :func:`_all_gather_json`).
     """
 
     def __init__(self, ctx: context.RankContext, run_dir: str, keep_results: bool = False, key: bytes | None = None):
-        import torch.distributed as dist
-
         self.ctx = ctx
         self.node = _node()
         self._writer: _Writer | None = None
@@ -297,8 +311,7 @@ class NodeLog:
             mine = {"node": self.node, "address": list(server.address), "key": server.key.hex(),
                     "run": uuid.uuid4().hex[:12]}
         try:
-            gathered = [None] * ctx.world_size
-            dist.all_gather_object(gathered, mine)
+            gathered = _all_gather_json(ctx, mine)
             run_id = gathered[0]["run"]  # global rank 0 is local rank 0 of node 0
             host = next(g for g in gathered if g is not None and g["node"] == self.node)
             if server is not None:

@@ -98,7 +98,9 @@ class Inbox:
         try:
             with channel.whole_message():  # an interrupt waits until the message is read whole
                 return self._conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError) as exc:
+            if isinstance(exc, channel.FrameRefused):
+                print(f"ddp_notebook: this rank stops: {exc}", file=sys.stderr, flush=True)
             _die_with_group()
             raise
 
@@ -165,13 +167,17 @@ def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
     if not boot["init_group"]:
         return
     startup = datetime.timedelta(seconds=boot["startup_timeout"])
-    extra = {}
-    if boot.get("store_fd") is not None:
-        extra["master_listen_fd"] = boot["store_fd"]
-    store = dist.TCPStore(
-        boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
-        timeout=startup, wait_for_workers=False, **extra,
-    )
+    if boot.get("store_file"):  # in the job's 0700 folder: no other user can reach it (a TCPStore, any local user)
+        store = dist.FileStore(boot["store_file"], ctx.world_size)
+        store.set_timeout(startup)
+    else:
+        extra = {}
+        if boot.get("store_fd") is not None:
+            extra["master_listen_fd"] = boot["store_fd"]
+        store = dist.TCPStore(
+            boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
+            timeout=startup, wait_for_workers=False, **extra,
+        )
     join_group(ctx, boot["backend"], boot.get("timeout"), store)
     ctx.extra["store"] = store
     if boot["backend"] != "gloo":  # a graceful stop's flag is reduced on the CPU
@@ -417,7 +423,7 @@ def serve(boot: dict) -> None:
                                    0o600), "a")  # private, whatever the umask of the process it was forked from
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
-    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]))
+    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]), boot.get("startup_timeout"))
     sender = channel.Sender(conn)
     ctx = context.RankContext(
         rank=boot["rank"], local_rank=boot["local_rank"], world_size=boot["world_size"],

@@ -67,19 +67,46 @@ def kernel(setup: str = "%load_ext ddp_notebook", ipykernel: int = 7):
         km.shutdown_kernel(now=True)
 
 
+def _said(msg) -> str:
+    """What an output message shows as text: a stream's text, an error's traceback lines ("" for anything else)."""
+    if msg["msg_type"] == "stream":
+        return msg["content"]["text"]
+    if msg["msg_type"] == "error":
+        return "\n".join(msg["content"]["traceback"])
+    return ""
+
+
 def execute(kc, cells: list[str], timeout: int = 180) -> str:
     """Run ``cells`` one after the other on a kernel client; what they printed and their tracebacks, as text."""
     outputs = []
-
-    def collect(msg):
-        if msg["msg_type"] == "stream":
-            outputs.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            outputs.append("\n".join(msg["content"]["traceback"]))
-
     for cell in cells:
-        kc.execute_interactive(cell, timeout=timeout, output_hook=collect)
+        kc.execute_interactive(cell, timeout=timeout, output_hook=lambda msg: outputs.append(_said(msg)))
     return "".join(outputs)
+
+
+def run_cell(kc, code: str, timeout: int = 120) -> tuple[dict, str]:
+    """Run one cell to its end: its reply's content, and what it printed and its traceback lines."""
+    told = []
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=lambda msg: told.append(_said(msg)))
+    return reply["content"], "".join(told)
+
+
+def until_idle(kc, msg_id: str, timeout: int = 60) -> tuple[dict, str]:
+    """Wait for a cell started with ``kc.execute`` to end: its reply's content, and what it printed and its traceback
+    lines."""
+    reply = None
+    while reply is None:
+        msg = kc.get_shell_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            reply = msg["content"]
+    told = ""
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        told += _said(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return reply, told
 
 
 def text(cell) -> str:

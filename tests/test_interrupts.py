@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from nbrun import gone, kernel, run_until_pids
+from nbrun import gone, kernel, run_cell as _run, run_until_pids, until_idle as _until_idle
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.kernel]
 
@@ -52,48 +52,12 @@ momentum_same = _same(_flat(buffers)) if buffers else None
 '''
 
 
-def _run(kc, code, timeout=120):
-    """Run a cell to its end: (reply content, what it printed and its error lines)."""
-    told = []
-
-    def collect(msg):
-        if msg["msg_type"] == "stream":
-            told.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            told.append("\n".join(msg["content"]["traceback"]))
-
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=collect)
-    return reply["content"], "".join(told)
-
-
-def _interrupted(km, kc, code, after, interrupts=1):
-    """Start a cell, interrupt it ``after`` seconds later (``interrupts`` times, a second apart): (reply, told)."""
+def _interrupted(km, kc, code, after):
+    """Start a cell and interrupt it ``after`` seconds later: (reply content, told)."""
     msg_id = kc.execute(code)
     time.sleep(after)
-    for i in range(interrupts):
-        if i:
-            time.sleep(1.0)
-        km.interrupt_kernel()
+    km.interrupt_kernel()
     return _until_idle(kc, msg_id)
-
-
-def _until_idle(kc, msg_id, timeout=60):
-    reply = None
-    while reply is None:
-        msg = kc.get_shell_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") == msg_id:
-            reply = msg["content"]
-    told = ""
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            told += msg["content"]["text"]
-        elif msg["msg_type"] == "error":
-            told += "\n".join(msg["content"]["traceback"])
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return reply, told
 
 
 def _print(kc, code):

@@ -8,7 +8,7 @@ import pytest
 import ddp_notebook
 from ddp_notebook import JobStopped
 from conftest import rank_processes
-from nbrun import gone, kernel, run_until_pids
+from nbrun import gone, kernel, run_until_pids, until_idle
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -59,19 +59,8 @@ def _interrupt_and_collect(km, kc, msg_id, interrupts=1, between=1.0):
         if i:
             time.sleep(between)
         km.interrupt_kernel()
-    reply = kc.get_shell_msg(timeout=60)
-    told = ""
-    while True:
-        msg = kc.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            told += msg["content"]["text"]
-        elif msg["msg_type"] == "error":
-            told += "\n".join(msg["content"]["traceback"])
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    return reply, told
+    reply, told = until_idle(kc, msg_id)
+    return {"content": reply}, told
 
 
 def _output(kc, code):

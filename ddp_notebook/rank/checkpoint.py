@@ -394,7 +394,7 @@ def _meet_every_rank(call: str, path: str) -> _Meeting:
         timeout = _arrival_timeout()
         try:
             store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
-        except dist.DistStoreError:
+        except RuntimeError:  # DistStoreError from a TCPStore; a FileStore's wait raises a plain RuntimeError
             absent = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
             # Only an arrival can bring the count to world_size, and that arrival opens the meeting: if it was
             # not there before this rank leaves, it never will be.

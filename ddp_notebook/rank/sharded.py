@@ -207,7 +207,7 @@ def _agree(mine: list, rank: int, world_size: int) -> None:
         timeout = _arrival_timeout()
         try:
             store.wait([everyone], datetime.timedelta(seconds=timeout))
-        except dist.DistStoreError:
+        except RuntimeError:  # DistStoreError from a TCPStore; a FileStore's wait raises a plain RuntimeError
             absent = [other for other in range(world_size) if not store.check([f"{key}/rank{other}"])]
             # Only an arrival brings the count to world_size, and that arrival opens the meeting: once this rank has
             # left, no later one can (it refuses in its turn).

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import tracemalloc
 
 import pytest
 
@@ -381,6 +382,69 @@ def test_a_relay_that_alters_or_injects_after_the_handshake_is_refused_before_un
         rank.close()
         notebook.close()
     finally:
+        relay.close()
+        server.close()
+    assert not marker.exists()
+
+
+def _announcing(length):
+    """An attack that gives the second frame after the handshake a forged length (its bytes follow as they were)."""
+    def announce(index, frame):
+        return struct.pack("!Q", length) + frame[8:] if index == 1 else frame
+    return announce
+
+
+@pytest.mark.parametrize("direction", ["to notebook", "to rank"])
+def test_a_forged_length_allocates_only_what_has_arrived(direction):
+    # A relay announces a 1 GiB frame and sends a few hundred bytes of it: the reader's buffer grows with what
+    # arrives (channel._READ_STEP beyond it at most), never to what was announced.
+    server = ChannelServer()
+    relay = Relay(server.address, direction, _announcing(1 << 30))
+    tracemalloc.start()
+    try:
+        rank = connect(relay.address, server.key, timeout=30)
+        notebook = _accepted(server)
+        sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
+        sender.send(("metric", {"loss": 0.5}))
+        assert receiver.recv() == ("metric", {"loss": 0.5})
+        sender.send(("result", {"task": 1, "value": b"x" * 100}))
+        _until(lambda: channel.readable(receiver))
+        sender.close()  # the frame never comes whole
+        tracemalloc.reset_peak()
+        with pytest.raises(EOFError):
+            receiver.recv()
+        assert tracemalloc.get_traced_memory()[1] < 2 * channel._READ_STEP
+        receiver.close()
+    finally:
+        tracemalloc.stop()
+        relay.close()
+        server.close()
+
+
+@pytest.mark.parametrize("direction", ["to notebook", "to rank"])
+def test_a_length_beyond_the_machines_memory_is_refused_unread(tmp_path, direction):
+    marker = tmp_path / "unpickled"
+    server = ChannelServer()
+    relay = Relay(server.address, direction, _announcing(1 << 62))
+    tracemalloc.start()
+    try:
+        rank = connect(relay.address, server.key, timeout=30)
+        notebook = _accepted(server)
+        sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
+        sender.send(("metric", {"loss": 0.5}))
+        assert receiver.recv() == ("metric", {"loss": 0.5})
+        sender.send(_Touch(marker))
+        _until(lambda: channel.readable(receiver))
+        tracemalloc.reset_peak()
+        with pytest.raises(FrameRefused, match=f"a message of {1 << 62} bytes, more than this machine's memory"):
+            receiver.recv()
+        assert tracemalloc.get_traced_memory()[1] < channel._READ_STEP
+        with pytest.raises(FrameRefused):  # for good
+            receiver.recv()
+        rank.close()
+        notebook.close()
+    finally:
+        tracemalloc.stop()
         relay.close()
         server.close()
     assert not marker.exists()

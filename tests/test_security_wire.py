@@ -498,3 +498,67 @@ def test_a_single_host_jobs_store_is_out_of_other_users_reach(other_user, tmp_pa
         (tmp_path / "go").touch()
         ports = job.wait()
     assert ports[0] == ports[1] == job.port
+
+
+_SQUAT = """
+import errno, socket, sys
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    sock.bind(("127.0.0.1", int(sys.argv[1])))
+    sock.listen(16)
+    print("took it", flush=True)
+except OSError as exc:
+    print(errno.errorcode[exc.errno], flush=True)
+sys.stdin.readline()  # held until the test ends
+"""
+
+
+def _sum_over_hosts():
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return dist.get_world_size(), total.item()
+
+
+def test_a_multi_host_jobs_port_is_never_free_for_another_user(other_user, tmp_path, monkeypatch):
+    # node 0's port is checked when the job is planned and bound by torchrun's agent seconds later: another user
+    # tries to take it in between (as the job starts), and must find it bound the whole time.
+    import ddp_notebook
+    from ddp_notebook.engine import job as jobs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script, elsewhere = tmp_path / "export" / "job.py", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    squatters = []
+
+    def squat(job):
+        squatter = _as_other(other_user, _SQUAT.replace("sys.argv[1]", str(port)))
+        squatters.append((squatter, squatter.stdout.readline().strip()))
+
+    monkeypatch.setattr(jobs, "_job_observers", [])
+    jobs.observe_jobs(squat)
+    with open(tmp_path / "node1.log", "w+") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                                  "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                  str(script)], cwd=elsewhere, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            results = ddp_notebook.launch(_sum_over_hosts, cpus=1, nnodes=2, master_addr="127.0.0.1", port=port,
+                                          export=str(script))
+            assert node1.wait(60) == 0
+        finally:
+            if node1.poll() is None:
+                os.killpg(node1.pid, 9)
+                node1.wait()
+            for squatter, _ in squatters:
+                squatter.stdin.close()
+                squatter.wait(60)
+            log.seek(0)
+            node1_output = log.read()
+    assert [said for _, said in squatters] == ["EADDRINUSE"], node1_output
+    assert results == [(2, 2.0), (2, 2.0)]

@@ -505,3 +505,17 @@ def test_follow_refuses_a_run_folder_of_one_s_own_that_others_may_write_in(tmp_p
     run = ddp_notebook.follow(str(run_dir), wait=False)
     assert (run.status, run.history) == ("done", [{"epoch": 0, "loss": 1.0}])
 
+
+def test_the_picker_shows_a_refused_reservations_folder_instead_of_raising(other_user, shared_folder, monkeypatch):
+    squatted = os.path.join(shared_folder, "theirs")
+    run_as(other_user, lambda: os.mkdir(squatted, 0o1777))
+    monkeypatch.setenv(reservations.DIR_ENV, squatted)
+    panel = picker.gpu_picker()
+    try:
+        assert sorted(panel.checkboxes) == list(range(8))  # the GPUs are listed all the same
+        assert f"not trusted: it is owned by {OTHER}, not by root or you (root)" in panel.header.value
+        assert "ddp-picker-refused" in panel.header.value
+        with pytest.raises(LaunchError, match=f"it is owned by {OTHER}"):  # and a launch still refuses it
+            reservations.holders([GPU0])
+    finally:
+        panel.close()

@@ -523,7 +523,7 @@ def _sum_over_hosts():
     return dist.get_world_size(), total.item()
 
 
-def test_a_multi_host_jobs_port_is_never_free_for_another_user(other_user, tmp_path, monkeypatch):
+def test_a_multi_host_jobs_port_is_never_free_for_another_user(other_user, tmp_path, monkeypatch, no_leftovers):
     # node 0's port is checked when the job is planned and bound by torchrun's agent seconds later: another user
     # tries to take it in between (as the job starts), and must find it bound the whole time.
     import ddp_notebook
@@ -562,3 +562,7 @@ def test_a_multi_host_jobs_port_is_never_free_for_another_user(other_user, tmp_p
             node1_output = log.read()
     assert [said for _, said in squatters] == ["EADDRINUSE"], node1_output
     assert results == [(2, 2.0), (2, 2.0)]
+    with socket.socket() as after:  # and nothing of the job listens there any more
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", port))
+        after.listen()

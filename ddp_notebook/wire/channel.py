@@ -6,7 +6,8 @@ so a process without the key is refused before it can send anything.  The
 handshake ends with a nonce from each side, and each direction of the connection
 gets its own key from the job key and both nonces; from then on every frame
 carries an HMAC-SHA256 of its sequence number and its bytes, checked before
-anything is unpickled (:class:`FrameRefused` otherwise).  Someone on the path
+anything is unpickled (:class:`FrameRefused` otherwise); a frame's buffer grows with the
+bytes that arrive, never to a length only announced.  Someone on the path
 who relays the handshake can still cut the connection, but cannot alter, replay,
 reorder or inject a message.  Messages are ``(kind, body)`` tuples.  The channel
 knows nothing of what the messages mean.

@@ -6,8 +6,8 @@ runs its own: a real torchrun agent (:mod:`~ddp_notebook.engine.torchrun_agent`:
 with ``--nnodes N --nproc-per-node n`` and the static rendezvous on HOST:P), which also
 hosts the rendezvous store that the other hosts' agents join (torchrun's static
 rendezvous expects an agent on node 0).  The port is bound when the job is checked
-and handed to the agent's store as it is, so no one else can take it in between.  Every rank of every node connects back
-to the notebook's channel, proves it holds the job's key, and then talks to the
+and handed to the agent's store as it is: no one else can take it in between.
+Every rank of every node connects back to the notebook's channel, proves it holds the job's key, and then talks to the
 notebook exactly as a notebook's own rank does (:mod:`ddp_notebook.runner`), so
 results, failures and ``report()`` of all nodes reach the :class:`~ddp_notebook.engine.job.Job`
 and its dashboard.

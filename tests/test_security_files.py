@@ -461,3 +461,61 @@ def test_a_rank_refuses_a_signed_run_folder_another_user_made(other_user):
         assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
     finally:
         shutil.rmtree(job_folder)
+
+
+def _a_finished_run(run_dir: str) -> None:
+    from ddp_notebook.wire import protocol
+
+    head = {"run": "r1", "node": 0, "time": 1.0}
+    _write_records(protocol.metrics_path(run_dir, 0),
+                   [{**head, "event": "start", "world_size": 1, "nnodes": 1},
+                    {**head, "event": "metric", "rank": 0, "key": "epoch", "x": 0, "values": {"loss": 1.0}},
+                    {**head, "event": "exit", "rank": 0}, {**head, "event": "end", "ok": True}])
+
+
+def test_follow_refuses_a_run_folder_another_user_owns_naming_them(other_user):
+    import ddp_notebook
+
+    parent = tempfile.mkdtemp(prefix="ddpnb-sec-", dir="/tmp")
+    try:
+        os.chmod(parent, 0o1777)
+        run_dir = os.path.join(parent, "run")
+
+        def plant():
+            os.mkdir(run_dir, 0o755)
+            _a_finished_run(run_dir)
+        run_as(other_user, plant)
+        with pytest.raises(PermissionError, match=rf"follow\(\): {run_dir} belongs to {OTHER}, not to you: its "
+                                                  rf"files are not read"):
+            ddp_notebook.follow(run_dir, wait=False)
+    finally:
+        shutil.rmtree(parent)
+
+
+def test_follow_refuses_a_run_folder_of_one_s_own_that_others_may_write_in(tmp_path):
+    import ddp_notebook
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _a_finished_run(str(run_dir))
+    run_dir.chmod(0o777)
+    with pytest.raises(PermissionError, match=rf"other users may write in {run_dir} \(mode 777\)"):
+        ddp_notebook.follow(str(run_dir), wait=False)
+    run_dir.chmod(0o755)
+    run = ddp_notebook.follow(str(run_dir), wait=False)
+    assert (run.status, run.history) == ("done", [{"epoch": 0, "loss": 1.0}])
+
+
+def test_the_picker_shows_a_refused_reservations_folder_instead_of_raising(other_user, shared_folder, monkeypatch):
+    squatted = os.path.join(shared_folder, "theirs")
+    run_as(other_user, lambda: os.mkdir(squatted, 0o1777))
+    monkeypatch.setenv(reservations.DIR_ENV, squatted)
+    panel = picker.gpu_picker()
+    try:
+        assert sorted(panel.checkboxes) == list(range(8))  # the GPUs are listed all the same
+        assert f"not trusted: it is owned by {OTHER}, not by root or you (root)" in panel.header.value
+        assert "ddp-picker-refused" in panel.header.value
+        with pytest.raises(LaunchError, match=f"it is owned by {OTHER}"):  # and a launch still refuses it
+            reservations.holders([GPU0])
+    finally:
+        panel.close()

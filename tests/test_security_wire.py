@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import tracemalloc
 
 import pytest
 
@@ -386,6 +387,69 @@ def test_a_relay_that_alters_or_injects_after_the_handshake_is_refused_before_un
     assert not marker.exists()
 
 
+def _announcing(length):
+    """An attack that gives the second frame after the handshake a forged length (its bytes follow as they were)."""
+    def announce(index, frame):
+        return struct.pack("!Q", length) + frame[8:] if index == 1 else frame
+    return announce
+
+
+@pytest.mark.parametrize("direction", ["to notebook", "to rank"])
+def test_a_forged_length_allocates_only_what_has_arrived(direction):
+    # A relay announces a 1 GiB frame and sends a few hundred bytes of it: the reader's buffer grows with what
+    # arrives (channel._READ_STEP beyond it at most), never to what was announced.
+    server = ChannelServer()
+    relay = Relay(server.address, direction, _announcing(1 << 30))
+    tracemalloc.start()
+    try:
+        rank = connect(relay.address, server.key, timeout=30)
+        notebook = _accepted(server)
+        sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
+        sender.send(("metric", {"loss": 0.5}))
+        assert receiver.recv() == ("metric", {"loss": 0.5})
+        sender.send(("result", {"task": 1, "value": b"x" * 100}))
+        _until(lambda: channel.readable(receiver))
+        sender.close()  # the frame never comes whole
+        tracemalloc.reset_peak()
+        with pytest.raises(EOFError):
+            receiver.recv()
+        assert tracemalloc.get_traced_memory()[1] < 2 * channel._READ_STEP
+        receiver.close()
+    finally:
+        tracemalloc.stop()
+        relay.close()
+        server.close()
+
+
+@pytest.mark.parametrize("direction", ["to notebook", "to rank"])
+def test_a_length_beyond_the_machines_memory_is_refused_unread(tmp_path, direction):
+    marker = tmp_path / "unpickled"
+    server = ChannelServer()
+    relay = Relay(server.address, direction, _announcing(1 << 62))
+    tracemalloc.start()
+    try:
+        rank = connect(relay.address, server.key, timeout=30)
+        notebook = _accepted(server)
+        sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
+        sender.send(("metric", {"loss": 0.5}))
+        assert receiver.recv() == ("metric", {"loss": 0.5})
+        sender.send(_Touch(marker))
+        _until(lambda: channel.readable(receiver))
+        tracemalloc.reset_peak()
+        with pytest.raises(FrameRefused, match=f"a message of {1 << 62} bytes, more than this machine's memory"):
+            receiver.recv()
+        assert tracemalloc.get_traced_memory()[1] < channel._READ_STEP
+        with pytest.raises(FrameRefused):  # for good
+            receiver.recv()
+        rank.close()
+        notebook.close()
+    finally:
+        tracemalloc.stop()
+        relay.close()
+        server.close()
+    assert not marker.exists()
+
+
 # -- the store ------------------------------------------------------------------------------------
 
 def _hold_until(folder):
@@ -434,3 +498,71 @@ def test_a_single_host_jobs_store_is_out_of_other_users_reach(other_user, tmp_pa
         (tmp_path / "go").touch()
         ports = job.wait()
     assert ports[0] == ports[1] == job.port
+
+
+_SQUAT = """
+import errno, socket, sys
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    sock.bind(("127.0.0.1", int(sys.argv[1])))
+    sock.listen(16)
+    print("took it", flush=True)
+except OSError as exc:
+    print(errno.errorcode[exc.errno], flush=True)
+sys.stdin.readline()  # held until the test ends
+"""
+
+
+def _sum_over_hosts():
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return dist.get_world_size(), total.item()
+
+
+def test_a_multi_host_jobs_port_is_never_free_for_another_user(other_user, tmp_path, monkeypatch, no_leftovers):
+    # node 0's port is checked when the job is planned and bound by torchrun's agent seconds later: another user
+    # tries to take it in between (as the job starts), and must find it bound the whole time.
+    import ddp_notebook
+    from ddp_notebook.engine import job as jobs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script, elsewhere = tmp_path / "export" / "job.py", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    squatters = []
+
+    def squat(job):
+        squatter = _as_other(other_user, _SQUAT.replace("sys.argv[1]", str(port)))
+        squatters.append((squatter, squatter.stdout.readline().strip()))
+
+    monkeypatch.setattr(jobs, "_job_observers", [])
+    jobs.observe_jobs(squat)
+    with open(tmp_path / "node1.log", "w+") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                                  "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                  str(script)], cwd=elsewhere, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            results = ddp_notebook.launch(_sum_over_hosts, cpus=1, nnodes=2, master_addr="127.0.0.1", port=port,
+                                          export=str(script))
+            assert node1.wait(60) == 0
+        finally:
+            if node1.poll() is None:
+                os.killpg(node1.pid, 9)
+                node1.wait()
+            for squatter, _ in squatters:
+                squatter.stdin.close()
+                squatter.wait(60)
+            log.seek(0)
+            node1_output = log.read()
+    assert [said for _, said in squatters] == ["EADDRINUSE"], node1_output
+    assert results == [(2, 2.0), (2, 2.0)]
+    with socket.socket() as after:  # and nothing of the job listens there any more
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", port))
+        after.listen()

@@ -2,11 +2,12 @@
 
 The notebook exports the task (:mod:`ddp_notebook.exporting`) together with its
 channel's address and key, then runs this host's ranks the way every other host
-runs its own: a real torchrun agent, ``torchrun --nnodes N --node-rank 0
---nproc-per-node n --master-addr HOST --master-port P <script>``, which also
+runs its own: a real torchrun agent (:mod:`~ddp_notebook.engine.torchrun_agent`: torchrun
+with ``--nnodes N --nproc-per-node n`` and the static rendezvous on HOST:P), which also
 hosts the rendezvous store that the other hosts' agents join (torchrun's static
-rendezvous expects an agent on node 0).  Every rank of every node connects back
-to the notebook's channel, proves it holds the job's key, and then talks to the
+rendezvous expects an agent on node 0).  The port is bound when the job is checked
+and handed to the agent's store as it is: no one else can take it in between.
+Every rank of every node connects back to the notebook's channel, proves it holds the job's key, and then talks to the
 notebook exactly as a notebook's own rank does (:mod:`ddp_notebook.runner`), so
 results, failures and ``report()`` of all nodes reach the :class:`~ddp_notebook.engine.job.Job`
 and its dashboard.
@@ -48,9 +49,9 @@ def node_spec(spec, nnodes, node_rank, master_addr, export_path):
     if not master_addr:
         raise LaunchError("--nnodes needs --master-addr: this host's address, as the other hosts reach it")
     local = spec.world_size
-    try:
-        with bind_port(master_addr, spec.port) as sock:  # (a port in use is refused there)
-            spec.port = sock.getsockname()[1]
+    try:  # (a port in use is refused there); held from now on, and handed to the agent's store
+        spec.master_socket = bind_port(master_addr, spec.port)
+        spec.port = spec.master_socket.getsockname()[1]
     except OSError as exc:
         raise LaunchError(f"--master-addr {master_addr} is not an address of this host ({exc.strerror or exc}): "
                           f"the notebook runs node 0, which hosts the master; give this host's address as the "
@@ -110,13 +111,20 @@ class TorchrunNode(ChannelRanks):
 
     def _start_agent(self) -> None:
         spec = self.spec
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spec.nnodes), "--node-rank", "0",
-               "--nproc-per-node", str(self.local), "--master-addr", spec.master_addr, "--master-port",
-               str(self.port), "--tee", "3", "--log-dir", os.path.join(self.workdir, "logs"), self.exported.script]
+        from . import torchrun_agent  # (torch: only once a job on several hosts starts)
+
+        listen_fd = spec.master_socket.fileno()
+        cmd = [sys.executable, "-m", torchrun_agent.__name__, "--nnodes", str(spec.nnodes),
+               "--nproc-per-node", str(self.local), *torchrun_agent.agent_arguments(spec.master_addr, self.port,
+                                                                                    listen_fd),
+               "--tee", "3", "--log-dir", os.path.join(self.workdir, "logs"), self.exported.script]
         env = rank_environment(spec, self.port, -1, -1, self.local)  # the agent sets each rank's own variables
         env.update(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=_PREFIX_TEMPLATE)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd=os.getcwd(), start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=env, cwd=os.getcwd(), start_new_session=True, pass_fds=(listen_fd,))
+        finally:
+            spec.master_socket.close()  # the agent's from here on
         self.procs.append(proc)
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             os.set_blocking(pipe.fileno(), False)

@@ -66,16 +66,9 @@ class RunFiles:
 
     def _trusted(self) -> bool:
         try:
-            st = os.lstat(self.run_dir)
+            problem = folder_problem(self.run_dir)
         except FileNotFoundError:
             return False
-        problem = None
-        if not stat.S_ISDIR(st.st_mode):
-            problem = f"{self.run_dir} is not a folder"
-        elif st.st_uid != os.geteuid():
-            problem = f"{self.run_dir} belongs to {_user(st.st_uid)}, not to you"
-        elif st.st_mode & 0o022:
-            problem = f"other users may write in {self.run_dir} (mode {stat.S_IMODE(st.st_mode):o})"
         if problem is not None:
             self._refuse(f"{problem}: its files are not read")
         return problem is None
@@ -119,6 +112,20 @@ class RunFiles:
             self._refuse(f"the result file {path} is not the one its record names: not unpickled")
             return None
         return data
+
+
+def folder_problem(run_dir: str) -> str | None:
+    """Why the files in ``run_dir`` cannot be believed: it is not a folder, another user owns it, or other users may
+    write in it; None when it is a folder of this user's that no one else may write in.  Raises FileNotFoundError
+    when it is not there."""
+    st = os.lstat(run_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{run_dir} is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"{run_dir} belongs to {_user(st.st_uid)}, not to you"
+    if st.st_mode & 0o022:
+        return f"other users may write in {run_dir} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def _user(uid: int) -> str:

@@ -54,11 +54,16 @@ class JobSpec:
     executor: Any = None  # a submitit executor: the ranks are the tasks of a Slurm job (slurm.py)
     # The GPUs held for this job against every other on the machine (reservations.py); the job or pool releases it.
     reservation: Any = field(default=None, repr=False, compare=False)
+    # Node 0's store port of a job on several hosts, bound since it was checked, until torchrun's agent takes it
+    # over (multinode.py): it is never free for another user to take.
+    master_socket: Any = field(default=None, repr=False, compare=False)
 
     def release_devices(self) -> None:
-        """Let other jobs have the GPUs held for this job (it ended, or will not run)."""
+        """Let other jobs have the GPUs (and the master port) held for this job (it ended, or will not run)."""
         if self.reservation is not None:
             self.reservation.release()
+        if self.master_socket is not None:
+            self.master_socket.close()
     chosen_backend: str | None = None  # with an executor, the backend asked for (None: each rank chooses)
 
 

@@ -22,7 +22,7 @@ from ..wire import protocol
 from . import dashboard
 from ..wire.errors import Failure, RankError, blame
 from ..engine.job import EventSource
-from ..engine.runfiles import RunFiles, message_of
+from ..engine.runfiles import RunFiles, folder_problem, message_of
 from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX, SLURM_RUN_SUFFIX
 
 POLL_S = 0.25
@@ -86,7 +86,15 @@ class FollowedRun(EventSource):
 
     # -- reading -----------------------------------------------------------------------------
     def poll(self) -> int:
-        """Read what the files gained; the number of this run's lines taken."""
+        """Read what the files gained; the number of this run's lines taken.  Raises PermissionError for a run
+        folder another user owns or may write in (what they wrote there would be shown as the run's)."""
+        try:
+            problem = folder_problem(self.run_dir)
+        except FileNotFoundError:
+            return 0  # (not made yet)
+        if problem is not None:
+            raise PermissionError(f"follow(): {problem}: its files are not read; follow a run folder of yours "
+                                  f"(the export's --run-dir) that only you may write in, or a copy of it")
         records = self._files.new_records()
         if self.run_id is None:
             starts = [r for r in records if r.get("event") == protocol.FILE_START]

@@ -75,7 +75,12 @@ class GPUPicker(widgets.VBox):
         else:
             self.header.value = (f"<b>GPUs</b> ({html.escape(self.source)}; read at {stamp}). Tick the GPUs that "
                                  "<code>%%ddp</code> cells without <code>--gpus</code>/<code>--cpus</code> use:")
-            held = reservations.holders([g.lock_name for g in self.gpus])
+            try:
+                held = reservations.holders([g.lock_name for g in self.gpus])
+            except LaunchError as refused:  # (the folder of reservations is not trusted): the panel says why
+                held = dict.fromkeys(g.lock_name for g in self.gpus)
+                self.header.value += (f"<br><span class='ddp-picker-refused' style='color:#c62828'>"
+                                      f"{html.escape(str(refused))}</span>")
             wanted = self._wanted if self._wanted is not None else \
                 {g.index for g in self.gpus if not g.busy and held[g.lock_name] is None}
             self.checkboxes = {}

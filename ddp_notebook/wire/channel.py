@@ -6,7 +6,8 @@ so a process without the key is refused before it can send anything.  The
 handshake ends with a nonce from each side, and each direction of the connection
 gets its own key from the job key and both nonces; from then on every frame
 carries an HMAC-SHA256 of its sequence number and its bytes, checked before
-anything is unpickled (:class:`FrameRefused` otherwise).  Someone on the path
+anything is unpickled (:class:`FrameRefused` otherwise); a frame's buffer grows with the
+bytes that arrive, never to a length only announced.  Someone on the path
 who relays the handshake can still cut the connection, but cannot alter, replay,
 reorder or inject a message.  Messages are ``(kind, body)`` tuples.  The channel
 knows nothing of what the messages mean.
@@ -53,6 +54,10 @@ _SEQUENCE = struct.Struct("!Q")
 _MAC_SIZE = 32  # HMAC-SHA256
 _SEND_WITHOUT_SWITCH_MAX = 16384  # a frame whose bytes are at most this goes out in one write (a copy costs less)
 _NONCE_SIZE = 32
+# A frame's buffer grows with what has arrived, at most this beyond it: a length no one has sent the bytes of (a
+# relay's forgery) makes no one allocate it. A frame longer than this machine's memory is refused at once.
+_READ_STEP = 16 << 20
+_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class FrameRefused(ConnectionError):
@@ -158,22 +163,30 @@ class Connection:
         size = _HEADER.unpack(header)[0]
         if maxlength is not None and size > maxlength:
             raise OSError(f"a message of {size} bytes where at most {maxlength} were expected")
+        if size > _MEMORY:  # no sender of ours wrote it (it could not be held): the check would fail too
+            self._refused = FrameRefused(f"a message of {size} bytes, more than this machine's memory "
+                                         f"({_MEMORY} bytes), was announced; nothing of it was read")
+            raise self._refused
         try:
             frame = self._read(size)
-        except (MemoryError, OverflowError):  # a length no sender of ours wrote: the check would fail too
+        except MemoryError:
             raise FrameRefused(f"a message of {size} bytes cannot be held; the connection is cut") from None
         return self._open(frame)
 
     def _read(self, size: int) -> memoryview:
-        buffer = memoryview(bytearray(size))
+        """``size`` bytes, in a buffer that grows by :data:`_READ_STEP` at most beyond what has arrived."""
+        buffer = bytearray(min(size, _READ_STEP))
         got = 0
         while got < size:
+            if got == len(buffer):
+                buffer.extend(bytes(min(size - got, _READ_STEP)))  # (no view of it is held here)
             self._before_io()
-            n = self._sock.recv_into(buffer[got:])
+            with memoryview(buffer) as view:
+                n = self._sock.recv_into(view[got:])
             if n == 0:
                 raise EOFError
             got += n
-        return buffer
+        return memoryview(buffer)
 
     def _before_io(self) -> None:
         if self._deadline is not None:  # the handshake's time left; past it the read or write times out

@@ -3,6 +3,7 @@ DTensors arrive in the notebook as plain CPU tensors of the user's own classes, 
 ranks' ``full_tensor()``; what cannot be gathered is refused in one line."""
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ddp_notebook
-from ddp_notebook import RankError
+from ddp_notebook import JobStopped, RankError
 from ddp_notebook.engine import pool, spec as job_spec
 from ddp_notebook.rank import sharded
 from nbrun import execute, kernel, run_until_pids
@@ -294,6 +295,42 @@ def test_a_sharded_model_only_rank_0_returns_is_refused_within_the_arrival_timeo
     assert ("the ranks return different sharded values, which cannot be gathered: rank 0 returns the return value, "
             "and rank 1 returned no sharded value within 2 s (a rank may lag DDP_NOTEBOOK_SHARDED_ARRIVAL_S "
             "seconds); return the same sharded values on every rank") in str(info.value)
+
+
+def _waits_in_fsdp():
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    if dist.get_rank() == 1:
+        time.sleep(600)  # the others wait for it in FSDP's all-gather of the forward
+    model(torch.ones(1, 4))
+
+
+def test_stacks_name_each_rank_while_the_others_wait_in_an_fsdp_all_gather(no_leftovers):
+    lines, first = inspect.getsourcelines(_waits_in_fsdp)
+    sleeping = first + next(i for i, line in enumerate(lines) if "time.sleep(600)" in line)
+    forward = first + next(i for i, line in enumerate(lines) if "model(torch.ones" in line)
+    job = ddp_notebook.launch(_waits_in_fsdp, cpus=3, background=True)
+    try:
+        here = "test_sharded_results.py"
+        expected = (f"ranks 0, 2: all_gather_single ← _waits_in_fsdp ({here}:{forward})\n"
+                    f"rank 1: _waits_in_fsdp ({here}:{sleeping})")
+        deadline = time.monotonic() + 120
+        stacks = job.stacks()
+        while time.monotonic() < deadline and str(stacks) != expected:
+            time.sleep(0.5)  # until every rank has loaded the task and reached its wait
+            stacks = job.stacks()
+        assert str(stacks) == expected, stacks
+        for rank in (0, 2):  # inside FSDP2's unshard of the forward
+            assert {"foreach_all_gather", "unshard", "pre_forward"} <= {f.function for f in stacks.frames[rank]}
+    finally:
+        job.stop(now=True)
+    with pytest.raises(JobStopped):
+        job.wait()
 
 
 NET_CELL = '''

@@ -200,7 +200,7 @@ def test_a_tensor_parallel_model_comes_back_whole_and_computes_the_same(warm):
     torch.testing.assert_close(model(x), output)  # TP's hooks gone, the plain forward is the same
 
 
-def _fsdp1_trained(nested: bool):
+def _fsdp1_trained(nested: bool, use_orig_params: bool):
     """Rank side: an FSDP1 model (the root wrapped, and its first layer too when ``nested``), trained; (model,
     optimizer, the ranks' full parameters by name, the full optimizer state by name, an input and its output)."""
     import torch
@@ -219,8 +219,8 @@ def _fsdp1_trained(nested: bool):
     torch.manual_seed(0)
     net = Net()
     if nested:
-        net.a = FSDP(net.a, device_id=torch.device("cpu"))
-    model = FSDP(net, device_id=torch.device("cpu"))
+        net.a = FSDP(net.a, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randn(4, 17)
     for _ in range(2):
@@ -229,13 +229,28 @@ def _fsdp1_trained(nested: bool):
         opt.zero_grad()
     with FSDP.summon_full_params(model, writeback=False):
         full = {name: p.detach().clone() for name, p in model.named_parameters()}
-    state = FSDP.optim_state_dict(model, opt)["state"]  # whole on every rank
+    state = {name: {key: value.clone() for key, value in held.items()}  # whole on every rank
+             for name, held in FSDP.optim_state_dict(model, opt)["state"].items()}
     return model, opt, full, state, x, model(x).detach()
+
+
+def _without_optimizer(nested: bool, use_orig_params: bool):
+    model, opt, full, *_ = _fsdp1_trained(nested, use_orig_params)
+    return model, full
+
+
+def test_an_fsdp1_model_with_use_orig_params_comes_back_whole_and_its_optimizer_is_refused(warm):
+    model, full = ddp_notebook.launch(_without_optimizer, args=(True, True))[0]
+    assert type(model).__name__ == "Net" and type(model.a) is torch.nn.Linear
+    assert {name: _bitwise_equal(p, full[name]) for name, p in model.named_parameters()} == dict.fromkeys(full, True)
+    with pytest.raises(RankError, match=r"the return value\[1\] is the optimizer of an FSDP1 model with "
+                                        r"use_orig_params=True, which cannot be returned whole"):
+        ddp_notebook.launch(_fsdp1_trained, args=(True, True))
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["root", "nested"])
 def test_an_fsdp1_model_and_its_optimizer_come_back_whole(warm, nested):
-    results = ddp_notebook.launch(_fsdp1_trained, args=(nested,))
+    results = ddp_notebook.launch(_fsdp1_trained, args=(nested, False))
     model, opt, full, state, x, output = results[0]
     assert type(model).__name__ == "Net" and type(model.a) is torch.nn.Linear
     assert [name for name, _ in model.named_parameters()] == ["a.weight", "a.bias", "b.weight", "b.bias"]

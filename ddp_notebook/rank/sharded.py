@@ -91,6 +91,7 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
     import torch
 
     found: list[tuple[str, Any]] = []
+    optimizers: list[tuple[str, Any]] = []  # the others (an FSDP1 model's with use_orig_params steps plain views)
     seen: set[int] = set()
 
     def visit(obj: Any, where: str) -> None:
@@ -104,8 +105,7 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
             if is_sharded_module(obj):
                 found.append((where, obj))
         elif isinstance(obj, torch.optim.Optimizer):
-            if _is_sharded_optimizer(obj):
-                found.append((where, obj))
+            (found if _is_sharded_optimizer(obj) else optimizers).append((where, obj))
         elif isinstance(obj, dict):
             for key, item in list(obj.items()):
                 visit(item, f"{where}[{key!r}]" if where else str(key))
@@ -121,6 +121,13 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
                 visit(item, f"{where}.{name}")
 
     visit(value, where)
+    for place, opt in optimizers:
+        if _fsdp1_model_of(opt, found) is not None:
+            # (FSDP.optim_state_dict of such a model gave exp_avg values on CPU ranks that differ between calls)
+            raise ShardedResultError(
+                f"{place} is the optimizer of an FSDP1 model with use_orig_params=True, which cannot be returned "
+                f"whole; return the model without it, or build the model with use_orig_params=False (or FSDP2's "
+                f"fully_shard) to return both")
     for place, obj in found:
         if isinstance(obj, torch.optim.Optimizer) and _fsdp1_model_of(obj, found) is None and \
                 any(_is_flat(p) for group in obj.param_groups for p in group["params"]):
@@ -132,12 +139,14 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
 
 
 def _fsdp1_model_of(opt: Any, found: list[tuple[str, Any]]) -> Any:
-    """The returned module holding the FSDP1 flat parameters ``opt`` steps, or None."""
+    """The returned module holding FSDP1 modules whose parameters (flat, or views with use_orig_params) ``opt``
+    steps, or None."""
     import torch
 
-    flat = {id(p) for group in opt.param_groups for p in group["params"] if _is_flat(p)}
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
     for _, obj in found:
-        if isinstance(obj, torch.nn.Module) and flat and flat <= {id(p) for p in obj.parameters()}:
+        if isinstance(obj, torch.nn.Module) and any(is_fsdp1(sub) for sub in obj.modules()) and stepped and \
+                stepped <= {id(p) for p in obj.parameters()}:
             return obj
     return None
 
@@ -370,7 +379,7 @@ class _Gathering:
             module = module._fsdp_wrapped_module
         if id(module) in made:
             return made[id(module)]
-        children = {name: child for name, child in module._modules.items()}
+        children = dict(module._modules)
         names = [key[len(prefix):] for key in state if key.startswith(prefix) and "." not in key[len(prefix):]]
         buffers = {name: _on_cpu(state[prefix + name]) for name in module._buffers if prefix + name in state}
         parameters = {name: torch.nn.Parameter(_on_cpu(state[prefix + name]), requires_grad=requires_grad)
@@ -411,7 +420,7 @@ class _Gathering:
     def optimizer(self, opt: Any) -> Any:
         if id(opt) in self.done:
             return self.done[id(opt)]
-        if any(_is_flat(p) for group in opt.param_groups for p in group["params"]):
+        if _fsdp1_model_of(opt, self.found) is not None:
             return self._fsdp1_optimizer(opt)
         groups = [dict(group, params=[self.tensor(p) for p in group["params"]]) for group in opt.param_groups]
         states = [(whole_param, {key: self.tensor(item) if _is_tensor(item) else item

@@ -3,6 +3,7 @@ DTensors arrive in the notebook as plain CPU tensors of the user's own classes, 
 ranks' ``full_tensor()``; what cannot be gathered is refused in one line."""
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ddp_notebook
-from ddp_notebook import RankError
+from ddp_notebook import JobStopped, RankError
 from ddp_notebook.engine import pool, spec as job_spec
 from ddp_notebook.rank import sharded
 from nbrun import execute, kernel, run_until_pids
@@ -199,6 +200,79 @@ def test_a_tensor_parallel_model_comes_back_whole_and_computes_the_same(warm):
     torch.testing.assert_close(model(x), output)  # TP's hooks gone, the plain forward is the same
 
 
+def _fsdp1_trained(nested: bool, use_orig_params: bool):
+    """Rank side: an FSDP1 model (the root wrapped, and its first layer too when ``nested``), trained; (model,
+    optimizer, the ranks' full parameters by name, the full optimizer state by name, an input and its output)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(17, 33)  # 561 + 33 + 165 + 5 elements: uneven flat shards
+            self.b = torch.nn.Linear(33, 5)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) * self.scale
+
+    torch.manual_seed(0)
+    net = Net()
+    if nested:
+        net.a = FSDP(net.a, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 17)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with FSDP.summon_full_params(model, writeback=False):
+        full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = {name: {key: value.clone() for key, value in held.items()}  # whole on every rank
+             for name, held in FSDP.optim_state_dict(model, opt)["state"].items()}
+    return model, opt, full, state, x, model(x).detach()
+
+
+def _without_optimizer(nested: bool, use_orig_params: bool):
+    model, opt, full, *_ = _fsdp1_trained(nested, use_orig_params)
+    return model, full
+
+
+def test_an_fsdp1_model_with_use_orig_params_comes_back_whole_and_its_optimizer_is_refused(warm):
+    model, full = ddp_notebook.launch(_without_optimizer, args=(True, True))[0]
+    assert type(model).__name__ == "Net" and type(model.a) is torch.nn.Linear
+    assert {name: _bitwise_equal(p, full[name]) for name, p in model.named_parameters()} == dict.fromkeys(full, True)
+    with pytest.raises(RankError, match=r"the return value\[1\] is the optimizer of an FSDP1 model with "
+                                        r"use_orig_params=True, which cannot be returned whole"):
+        ddp_notebook.launch(_fsdp1_trained, args=(True, True))
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["root", "nested"])
+def test_an_fsdp1_model_and_its_optimizer_come_back_whole(warm, nested):
+    results = ddp_notebook.launch(_fsdp1_trained, args=(nested, False))
+    model, opt, full, state, x, output = results[0]
+    assert type(model).__name__ == "Net" and type(model.a) is torch.nn.Linear
+    assert [name for name, _ in model.named_parameters()] == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    assert all(type(p) is torch.nn.Parameter and p.requires_grad for p in model.parameters())
+    assert {name: _bitwise_equal(p, full[name]) for name, p in model.named_parameters()} == dict.fromkeys(full, True)
+    assert torch.equal(model.scale, torch.linspace(0.5, 1.5, 5))
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks, module
+    torch.testing.assert_close(model(x), output)  # the plain forward computes what the ranks' FSDP1 model did
+    params = opt.param_groups[0]["params"]
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    for name, p in model.named_parameters():
+        assert set(opt.state[p]) == set(state[name]), name
+        assert all(_bitwise_equal(opt.state[p][key], value) for key, value in state[name].items()), name
+    before = model.a.weight.detach().clone()
+    model(x).sum().backward()
+    opt.step()  # the returned optimizer steps the returned model
+    assert not torch.equal(before, model.a.weight)
+    for other in results[1:]:
+        assert other[0] is model and other[1] is opt
+
+
 def _returns_sharded(how: str):
     import torch
     import torch.distributed as dist
@@ -212,10 +286,11 @@ def _returns_sharded(how: str):
 
         os.environ["DDP_NOTEBOOK_SHARDED_ARRIVAL_S"] = "3"  # (rank 0 waits that long for the others, then refuses)
         return model if dist.get_rank() == 0 else None
-    if how == "fsdp1":
+    if how == "fsdp1 optimizer":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(torch.nn.Linear(4, 3), device_id=torch.device("cpu"))
+        wrapped = FullyShardedDataParallel(torch.nn.Linear(4, 3), device_id=torch.device("cpu"))
+        return {"opt": torch.optim.SGD(wrapped.parameters(), lr=0.1)}
     return model
 
 
@@ -225,8 +300,9 @@ def _returns_sharded(how: str):
     ("rank 0 only", r"the ranks return different sharded values, which cannot be gathered: rank 0 returns the return "
                     r"value, and (rank 1|ranks 1, 2) returned no sharded value within 3 s \(a rank may lag "
                     r"DDP_NOTEBOOK_SHARDED_ARRIVAL_S seconds\); return the same sharded values on every rank"),
-    ("fsdp1", r"the return value is an FSDP1 model \(FullyShardedDataParallel\): its parameters are each rank's "
-              r"flat shard and cannot be returned whole; return its full state dict instead"),
+    ("fsdp1 optimizer", r"the return value\['opt'\] is the optimizer of an FSDP1 model \(FullyShardedDataParallel\) "
+                        r"that is not returned with it: its state is each rank's flat shard, made whole only through "
+                        r"its model; return the model too, or FSDP.optim_state_dict\(model, optimizer\)"),
 ])
 def test_what_cannot_be_gathered_is_refused_in_one_line(warm, how, message):
     with pytest.raises(RankError, match=message):
@@ -294,6 +370,42 @@ def test_a_sharded_model_only_rank_0_returns_is_refused_within_the_arrival_timeo
     assert ("the ranks return different sharded values, which cannot be gathered: rank 0 returns the return value, "
             "and rank 1 returned no sharded value within 2 s (a rank may lag DDP_NOTEBOOK_SHARDED_ARRIVAL_S "
             "seconds); return the same sharded values on every rank") in str(info.value)
+
+
+def _waits_in_fsdp():
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    if dist.get_rank() == 1:
+        time.sleep(600)  # the others wait for it in FSDP's all-gather of the forward
+    model(torch.ones(1, 4))
+
+
+def test_stacks_name_each_rank_while_the_others_wait_in_an_fsdp_all_gather(no_leftovers):
+    lines, first = inspect.getsourcelines(_waits_in_fsdp)
+    sleeping = first + next(i for i, line in enumerate(lines) if "time.sleep(600)" in line)
+    forward = first + next(i for i, line in enumerate(lines) if "model(torch.ones" in line)
+    job = ddp_notebook.launch(_waits_in_fsdp, cpus=3, background=True)
+    try:
+        here = "test_sharded_results.py"
+        expected = (f"ranks 0, 2: all_gather_single ← _waits_in_fsdp ({here}:{forward})\n"
+                    f"rank 1: _waits_in_fsdp ({here}:{sleeping})")
+        deadline = time.monotonic() + 120
+        stacks = job.stacks()
+        while time.monotonic() < deadline and str(stacks) != expected:
+            time.sleep(0.5)  # until every rank has loaded the task and reached its wait
+            stacks = job.stacks()
+        assert str(stacks) == expected, stacks
+        for rank in (0, 2):  # inside FSDP2's unshard of the forward
+            assert {"foreach_all_gather", "unshard", "pre_forward"} <= {f.function for f in stacks.frames[rank]}
+    finally:
+        job.stop(now=True)
+    with pytest.raises(JobStopped):
+        job.wait()
 
 
 NET_CELL = '''

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import context
+from . import context, sharded
 from .data import rank_and_world_size
 from ..wire import protocol
 from ..wire.payload import unwrap_model
@@ -392,9 +392,7 @@ def _meet_every_rank(call: str, path: str) -> _Meeting:
         store.set(f"{key}/all", "")
     else:
         timeout = _arrival_timeout()
-        try:
-            store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout))
-        except RuntimeError:  # DistStoreError from a TCPStore; a FileStore's wait raises a plain RuntimeError
+        if not sharded.waited(store, [f"{key}/all"], timeout):
             absent = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
             # Only an arrival can bring the count to world_size, and that arrival opens the meeting: if it was
             # not there before this rank leaves, it never will be.

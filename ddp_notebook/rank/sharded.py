@@ -1,5 +1,5 @@
-"""Sharded models made whole for the notebook: FSDP2 (``fully_shard``), tensor parallel modules (DTensor
-parameters from ``parallelize_module``), their optimizers and bare DTensors.
+"""Sharded models made whole for the notebook: FSDP2 (``fully_shard``), FSDP1 (``FullyShardedDataParallel``),
+tensor parallel modules (DTensor parameters from ``parallelize_module``), their optimizers and bare DTensors.
 
 A rank holds only its shards, so what a task returns cannot simply be pickled: at the task's end every rank walks its
 own return value the same way (:func:`sharded_in`).  A rank that finds nothing sharded does nothing more: no
@@ -10,19 +10,23 @@ things in the same order (a rank that found nothing never arrives: the others re
 time (``full_tensor()``, an all-gather every rank joins).  Rank 0 keeps a plain CPU copy of each; the other ranks drop
 theirs at once, so they peak at their shards plus one tensor.  Rank 0 builds copies of the modules and optimizers on
 those tensors, of the user's own class, without FSDP's hooks; the ranks' own objects are never changed (an FSDP2
-module unsharded by a forward without backward is resharded first, as its next backward would).
+module unsharded by a forward without backward is resharded first, as its next backward would).  An FSDP1 module
+holds each rank's flat shard of several parameters at once, so it is gathered whole by FSDP1's own full state dict
+(rank 0 only) and its optimizer by ``FSDP.optim_state_dict``, each one collective for the module.
 
 Rank side; self-contained (torch is imported only where a task already did).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import os
 import sys
 import types
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Iterator
 
 # What FSDP2 adds to a module's __dict__ (its state is found under a key made of this prefix and a uuid).
 _FSDP_ATTRIBUTE_PREFIXES = ("__composable_api_state_key", "_fsdp_use_orig_params", "_is_fsdp_managed_module")
@@ -72,7 +76,13 @@ def _is_fsdp2(module: Any) -> bool:
 
 
 def _is_sharded_optimizer(opt: Any) -> bool:
-    return any(is_dtensor(p) for group in opt.param_groups for p in group["params"])
+    return any(is_dtensor(p) or _is_flat(p) for group in opt.param_groups for p in group["params"])
+
+
+def _is_flat(tensor: Any) -> bool:
+    """An FSDP1 flat parameter: each rank's shard of several parameters, flattened together."""
+    flat = sys.modules.get("torch.distributed.fsdp._flat_param")  # (its instances are of type Parameter)
+    return flat is not None and isinstance(tensor, flat.FlatParameter)
 
 
 def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
@@ -81,6 +91,7 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
     import torch
 
     found: list[tuple[str, Any]] = []
+    optimizers: list[tuple[str, Any]] = []  # the others (an FSDP1 model's with use_orig_params steps plain views)
     seen: set[int] = set()
 
     def visit(obj: Any, where: str) -> None:
@@ -94,8 +105,7 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
             if is_sharded_module(obj):
                 found.append((where, obj))
         elif isinstance(obj, torch.optim.Optimizer):
-            if _is_sharded_optimizer(obj):
-                found.append((where, obj))
+            (found if _is_sharded_optimizer(obj) else optimizers).append((where, obj))
         elif isinstance(obj, dict):
             for key, item in list(obj.items()):
                 visit(item, f"{where}[{key!r}]" if where else str(key))
@@ -111,13 +121,34 @@ def sharded_in(value: Any, where: str = "the value") -> list[tuple[str, Any]]:
                 visit(item, f"{where}.{name}")
 
     visit(value, where)
-    for place, obj in found:
-        if isinstance(obj, torch.nn.Module) and any(is_fsdp1(sub) for sub in obj.modules()):
+    for place, opt in optimizers:
+        if _fsdp1_model_of(opt, found) is not None:
+            # (FSDP.optim_state_dict of such a model gave exp_avg values on CPU ranks that differ between calls)
             raise ShardedResultError(
-                f"{place} is an FSDP1 model (FullyShardedDataParallel): its parameters are each rank's flat shard "
-                f"and cannot be returned whole; return its full state dict instead (under "
-                f"FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT)), or shard it with FSDP2's fully_shard")
+                f"{place} is the optimizer of an FSDP1 model with use_orig_params=True, which cannot be returned "
+                f"whole; return the model without it, or build the model with use_orig_params=False (or FSDP2's "
+                f"fully_shard) to return both")
+    for place, obj in found:
+        if isinstance(obj, torch.optim.Optimizer) and _fsdp1_model_of(obj, found) is None and \
+                any(_is_flat(p) for group in obj.param_groups for p in group["params"]):
+            raise ShardedResultError(
+                f"{place} is the optimizer of an FSDP1 model (FullyShardedDataParallel) that is not returned with "
+                f"it: its state is each rank's flat shard, made whole only through its model; return the model "
+                f"too, or FSDP.optim_state_dict(model, optimizer)")
     return found
+
+
+def _fsdp1_model_of(opt: Any, found: list[tuple[str, Any]]) -> Any:
+    """The returned module holding FSDP1 modules whose parameters (flat, or views with use_orig_params) ``opt``
+    steps, or None."""
+    import torch
+
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    for _, obj in found:
+        if isinstance(obj, torch.nn.Module) and any(is_fsdp1(sub) for sub in obj.modules()) and stepped and \
+                stepped <= {id(p) for p in obj.parameters()}:
+            return obj
+    return None
 
 
 def _describe(obj: Any) -> tuple:
@@ -131,10 +162,10 @@ def _gathered_tensors(obj: Any) -> list:
 
     if isinstance(obj, torch.nn.Module):
         return [t for sub in obj.modules() for t in (*sub._parameters.values(), *sub._buffers.values())
-                if is_dtensor(t)]
+                if is_dtensor(t) or _is_flat(t)]
     if isinstance(obj, torch.optim.Optimizer):
         return [t for group in obj.param_groups for p in group["params"]
-                for t in (p, *obj.state.get(p, {}).values()) if is_dtensor(t)]
+                for t in (p, *obj.state.get(p, {}).values()) if is_dtensor(t) or _is_flat(t)]
     return [obj]
 
 
@@ -160,7 +191,7 @@ def whole_copies(value: Any, where: str, rank: int, world_size: int, every_rank_
             raise ShardedResultError(f"{found[0][0]} is sharded, and the process group is gone: a sharded value is "
                                      f"gathered after the task returns, so leave the process group up until then")
         _agree([(place, _describe(obj)) for place, obj in found], rank, world_size)
-    gathering = _Gathering(keep=rank == 0)
+    gathering = _Gathering(keep=rank == 0, found=found)
     return [(obj, gathering.whole(obj)) for _, obj in found]
 
 
@@ -181,6 +212,20 @@ def _store() -> Any:
     return store
 
 
+def waited(store: Any, keys: list[str], timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for ``keys`` in ``store``; False when they did not come.  A TCPStore says so with
+    DistStoreError, a FileStore (a single-host job's) with a bare RuntimeError('Wait timeout')."""
+    import torch.distributed as dist
+
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        if isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower():
+            return False
+        raise
+    return True
+
+
 def _meeting_key() -> str:
     """This task's and attempt's meeting, the same on every rank (a warm pool's task ids are unique)."""
     from . import context
@@ -194,8 +239,6 @@ def _agree(mine: list, rank: int, world_size: int) -> None:
     """Meet every other rank in the store and check that each returns the sharded values ``mine`` describes; raise
     :class:`ShardedResultError` where one returns others, or none within the arrival timeout (a rank that returns
     none never comes: it does nothing at a task's end).  Nothing of the process group is used, so nothing hangs."""
-    import torch.distributed as dist
-
     store = _store()
     key = _meeting_key()
     mine = json.loads(json.dumps(mine))  # as every rank reads it back (tuples become lists)
@@ -205,9 +248,7 @@ def _agree(mine: list, rank: int, world_size: int) -> None:
         store.set(everyone, "")
     else:
         timeout = _arrival_timeout()
-        try:
-            store.wait([everyone], datetime.timedelta(seconds=timeout))
-        except RuntimeError:  # DistStoreError from a TCPStore; a FileStore's wait raises a plain RuntimeError
+        if not waited(store, [everyone], timeout):
             absent = [other for other in range(world_size) if not store.check([f"{key}/rank{other}"])]
             # Only an arrival brings the count to world_size, and that arrival opens the meeting: once this rank has
             # left, no later one can (it refuses in its turn).
@@ -250,8 +291,9 @@ def _difference(mine: list, theirs: list, rank: int, other: int) -> str:
 class _Gathering:
     """Whole copies of sharded things, one DTensor at a time; ``keep``: this rank keeps them (rank 0)."""
 
-    def __init__(self, keep: bool):
+    def __init__(self, keep: bool, found: list[tuple[str, Any]] = ()):
         self.keep = keep
+        self.found = list(found)  # (where an FSDP1 optimizer finds its model)
         self.done: dict[int, Any] = {}  # id(original) -> its whole copy: a tensor shared by a model and an optimizer
         self._originals: list = []  # (keeps every original alive while its id is a key)
 
@@ -288,6 +330,8 @@ class _Gathering:
         return self._remember(tensor, full)
 
     def module(self, module: Any) -> Any:
+        if any(is_fsdp1(sub) for sub in module.modules()):
+            return self._fsdp1_module(module)
         for sub in module.modules():
             if _is_fsdp2(sub):
                 sub.reshard()  # left unsharded by a forward without backward: the sharded parameters are the ones
@@ -304,20 +348,80 @@ class _Gathering:
         if not self.keep:
             return self._remember(module, None)
         copy = object.__new__(_plain_class(type(module)))
-        state = {name: item for name, item in vars(module).items() if not name.startswith(_FSDP_ATTRIBUTE_PREFIXES)}
-        for name, item in state.items():
-            if isinstance(item, dict) and "hooks" in name and name not in _HOOK_FLAGS:
-                state[name] = type(item)((key, hook) for key, hook in item.items()
-                                         if not _hook_from_torch_distributed(hook))
-        for name, hooks in _HOOK_FLAGS.items():
-            if name in state:
-                state[name] = type(state[name])((key, flag) for key, flag in state[name].items()
-                                                if key in state[hooks])
+        state = _plain_attributes(module)
         state.update(_parameters=parameters, _buffers=buffers, _modules=children)
         copy.__dict__.update(state)
         return self._remember(module, copy)
 
+    def _fsdp1_module(self, module: Any) -> Any:
+        """A module holding FSDP1 modules, whole: FSDP1's full state dict (on rank 0 alone) put into a copy of the
+        module tree without the FSDP1 wrappers."""
+        if id(module) in self.done:
+            return self.done[id(module)]
+        fsdp = _fsdp1_api()
+        with _quiet_fsdp1(), fsdp.FullyShardedDataParallel.state_dict_type(
+                module, fsdp.StateDictType.FULL_STATE_DICT,
+                fsdp.FullStateDictConfig(offload_to_cpu=_off_cpu(module), rank0_only=True)):
+            state = module.state_dict()
+        if not self.keep:
+            return self._remember(module, None)
+        flats = [p for p in module.parameters() if _is_flat(p)]
+        requires_grad = all(p.requires_grad for p in flats) if flats else True
+        copy = self._plain_tree(module, "", state, requires_grad, {})
+        return self._remember(module, copy)
+
+    def _plain_tree(self, module: Any, prefix: str, state: dict, requires_grad: bool, made: dict) -> Any:
+        """A copy of ``module`` of the user's class, its FSDP1 wrappers and flat parameters left out, its
+        parameters and buffers from the full state dict ``state`` (keys as FSDP1 writes them: no wrapper names)."""
+        import torch
+
+        while is_fsdp1(module):
+            module = module._fsdp_wrapped_module
+        if id(module) in made:
+            return made[id(module)]
+        children = dict(module._modules)
+        names = [key[len(prefix):] for key in state if key.startswith(prefix) and "." not in key[len(prefix):]]
+        buffers = {name: _on_cpu(state[prefix + name]) for name in module._buffers if prefix + name in state}
+        parameters = {name: torch.nn.Parameter(_on_cpu(state[prefix + name]), requires_grad=requires_grad)
+                      for name in names if name not in buffers and name not in children}  # (in the user's order)
+        copy = object.__new__(_plain_class(type(module)))
+        made[id(module)] = copy
+        kept = {name: item for name, item in _plain_attributes(module).items() if name not in parameters}
+        kept.update(_parameters=parameters, _buffers=buffers, _modules={
+            name: None if child is None else self._plain_tree(child, f"{prefix}{name}.", state, requires_grad, made)
+            for name, child in children.items()})
+        copy.__dict__.update(kept)
+        return copy
+
+    def _fsdp1_optimizer(self, opt: Any) -> Any:
+        """An FSDP1 model's optimizer, whole (``FSDP.optim_state_dict``, on rank 0 alone), bound to the whole copy
+        of its model."""
+        model = _fsdp1_model_of(opt, self.found)
+        whole_model = self.whole(model)
+        fsdp = _fsdp1_api()
+        with _quiet_fsdp1(), fsdp.FullyShardedDataParallel.state_dict_type(
+                model, fsdp.StateDictType.FULL_STATE_DICT,
+                fsdp.FullStateDictConfig(offload_to_cpu=_off_cpu(model), rank0_only=True),
+                fsdp.FullOptimStateDictConfig(offload_to_cpu=_off_cpu(model), rank0_only=True)):
+            saved = fsdp.FullyShardedDataParallel.optim_state_dict(model, opt)
+        if not self.keep:
+            return self._remember(opt, None)
+        named = dict(whole_model.named_parameters(remove_duplicate=False))
+        order = {name: index for index, name in enumerate(named)}
+        groups = [dict(group, params=[named[name] for name in sorted(group["params"], key=order.__getitem__)])
+                  for group in saved["param_groups"]]
+        copy = object.__new__(type(opt))
+        copy.__dict__.update(vars(opt))
+        copy.param_groups = groups
+        copy.state = collections.defaultdict(dict, {named[name]: {key: _on_cpu(item) for key, item in held.items()}
+                                                    for name, held in saved["state"].items()})
+        return self._remember(opt, copy)
+
     def optimizer(self, opt: Any) -> Any:
+        if id(opt) in self.done:
+            return self.done[id(opt)]
+        if _fsdp1_model_of(opt, self.found) is not None:
+            return self._fsdp1_optimizer(opt)
         groups = [dict(group, params=[self.tensor(p) for p in group["params"]]) for group in opt.param_groups]
         states = [(whole_param, {key: self.tensor(item) if _is_tensor(item) else item
                                  for key, item in opt.state[p].items()})
@@ -330,6 +434,45 @@ class _Gathering:
         copy.param_groups = groups
         copy.state = collections.defaultdict(dict, states)
         return self._remember(opt, copy)
+
+
+def _plain_attributes(module: Any) -> dict:
+    """``module``'s attributes without what torch.distributed added: FSDP's state, its hooks and their flags."""
+    state = {name: item for name, item in vars(module).items() if not name.startswith(_FSDP_ATTRIBUTE_PREFIXES)}
+    for name, item in state.items():
+        if isinstance(item, dict) and "hooks" in name and name not in _HOOK_FLAGS:
+            state[name] = type(item)((key, hook) for key, hook in item.items()
+                                     if not _hook_from_torch_distributed(hook))
+    for name, hooks in _HOOK_FLAGS.items():
+        if name in state:
+            state[name] = type(state[name])((key, flag) for key, flag in state[name].items() if key in state[hooks])
+    return state
+
+
+def _fsdp1_api() -> Any:
+    import torch.distributed.fsdp as fsdp
+
+    return fsdp
+
+
+def _off_cpu(module: Any) -> bool:
+    """Does ``module`` hold tensors off the CPU (FSDP1's offload_to_cpu breaks on CPU ranks: it frees the shard)."""
+    return any(p.device.type != "cpu" for p in module.parameters())
+
+
+def _on_cpu(value: Any) -> Any:
+    """A tensor of FSDP1's full state dicts as a plain CPU tensor (they come out of autograd's views)."""
+    return value.detach().to("cpu") if _is_tensor(value) else value
+
+
+@contextlib.contextmanager
+def _quiet_fsdp1() -> Iterator[None]:
+    """FSDP1's state dict APIs warn, at every call, that they are deprecated: not the user's to read at a task's
+    end."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", module=r"torch\.distributed")
+        yield
 
 
 def _is_tensor(value: Any) -> bool:

@@ -155,6 +155,21 @@ def test_without_a_results_file_a_result_is_pickled_as_before():
     assert _results_regions() == []
 
 
+def test_a_result_that_finds_no_room_in_memory_is_pickled_into_its_message_with_a_warning(monkeypatch):
+    monkeypatch.setenv("DDP_NOTEBOOK_SHM_LIMIT", "0")
+    value = torch.arange(1 << 20, dtype=torch.float64)
+    fd = sharing.results_file()
+    try:
+        with pytest.warns(UserWarning, match="pickled into the result message"):
+            sent = payload.dumps_result(value, into=(os.getpid(), fd))
+        payload.release(sent)
+        assert len(sent) > value.numel() * 8 and os.fstat(fd).st_size == 0
+        back = payload.loads(bytes(sent))
+    finally:
+        os.close(fd)
+    assert torch.equal(back, value) and _results_regions() == []
+
+
 # -- through real ranks --------------------------------------------------------------------------------------------
 
 

@@ -653,10 +653,12 @@ class Store:
                 continue
             self.bundle.stats[kind] += nbytes
             return (arena.pid, arena.ref_fd, arena.dev, arena.ino), offset
-        where = "the memory limit" if self.results_into is not None else \
-            f"the memory limit and {tempfile.gettempdir()}"
-        warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB ({where} reached); it is "
-                      f"pickled into the message instead", stacklevel=2)
+        if self.results_into is not None:
+            warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB of the result (memory "
+                          f"limit reached); it is pickled into the result message instead", stacklevel=2)
+            return None
+        warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB (memory limit and "
+                      f"{tempfile.gettempdir()} both full); it is pickled into the payload instead", stacklevel=2)
         return None
 
 

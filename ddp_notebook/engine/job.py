@@ -12,7 +12,6 @@ import _signal
 import contextlib
 import itertools
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -22,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..wire import payload, protocol
+from ..wire import payload, protocol, sharing
 from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_timeout
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
@@ -140,6 +139,7 @@ class Job(EventSource):
         self.backend = backend  # what starts the job's own ranks (not used on a warm pool's)
         self._owns_group = group is None
         self._task_path: str | None = None
+        self._results_files: dict[int, int] = {}  # rank -> the file its result's big arrays are copied into
         self._results: dict[int, Any] = {}
         self._failures: dict[int, Failure] = {}
         self._first_failure_at: float | None = None
@@ -284,7 +284,25 @@ class Job(EventSource):
         self._task_path = where.get("path")
         self.group.send_to(self.targets, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
                                                          "attempt": self.attempt,
-                                                         "every_rank": len(self.targets) == self.spec.world_size}))
+                                                         "every_rank": len(self.targets) == self.spec.world_size,
+                                                         **self._new_results_files()}))
+
+    def _new_results_files(self) -> dict:
+        """An empty shared file for each rank's result (``sharing.results_file``), the notebook's own: a rank may
+        end as soon as it has sent its result.  Those of an earlier attempt go."""
+        self._close_results_files()
+        for rank in self.targets:
+            fd = sharing.results_file()
+            if fd is None:
+                return {}
+            self._results_files[rank] = fd
+        return {"results_files": (os.getpid(), dict(self._results_files))}
+
+    def _close_results_files(self) -> None:
+        """The results are loaded (their tensors keep the pages they map) or will never be."""
+        for fd in self._results_files.values():
+            os.close(fd)
+        self._results_files.clear()
 
     # -- watch -----------------------------------------------------------
     def _pump(self, timeout: float = 0.1) -> None:
@@ -300,7 +318,7 @@ class Job(EventSource):
             if body.get("stopped"):
                 self._stopped_where[rank] = body["stopped"]
             try:
-                self._results[rank] = pickle.loads(body["value"])
+                self._results[rank] = payload.loads(body["value"])  # big arrays mapped from its results file
             except Exception as exc:
                 self._add_failure(Failure(rank, type(exc).__name__, f"its return value could not be unpickled "
                                           f"in the notebook: {exc}", "", time.time(), "user"))
@@ -568,6 +586,7 @@ class Job(EventSource):
 
     def _end(self) -> None:
         self._forget_task_file()
+        self._close_results_files()
         payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
         self.spec.release_devices()  # for other jobs (a pool job's spec holds none: the pool holds them)
         if self.ended_at is None:

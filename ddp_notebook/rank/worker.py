@@ -335,9 +335,12 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
                                          ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True))
             value = task.sent_by(ctx.rank, value)
             stopped = stopping.stopped_at()
-            sender.send_now(protocol.RESULT, {"task": task_id,
-                                              "value": payload.dumps_result(value, whole if value is not None else ()),
-                                              **({"stopped": stopped} if stopped else {})})
+            result = payload.dumps_result(value, whole if value is not None else (), ctx.extra.get("results_file"))
+            try:
+                sender.send_now(protocol.RESULT, {"task": task_id, "value": bytes(result),
+                                                  **({"stopped": stopped} if stopped else {})})
+            finally:
+                payload.release(result)  # (its big arrays are in the notebook's file, which outlives this rank)
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()
@@ -468,6 +471,9 @@ def serve(boot: dict) -> None:
         ctx.extra["attempt"] = int(body.get("attempt", 0))
         ctx.extra["task"] = body["task"]
         ctx.extra["every_rank_runs"] = body.get("every_rank", True)
+        results_files = body.get("results_files")  # (the notebook's pid, and a file of each rank's)
+        ctx.extra["results_file"] = (results_files[0], results_files[1][ctx.rank]) \
+            if results_files and ctx.rank in results_files[1] else None
         load = (lambda: payload.loads(body["data"])) if "data" in body else (lambda: payload.load(body["path"]))
         run_task(ctx, sender, body["task"], load, body.get("seed"), namespace, interruptible)
 

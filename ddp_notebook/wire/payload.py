@@ -158,7 +158,7 @@ def unwrap_model(model: Any) -> Any:
             return model
 
 
-def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = ()) -> bytes:
+def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = (), into: tuple[int, int] | None = None) -> Payload:
     """Rank side: pickle what a rank returns to the notebook.
 
     Wrapped models travel as the plain module, tensors on a device as CPU
@@ -170,17 +170,29 @@ def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = ()) -> bytes:
     (``rank.sharded.whole_copies``).  Rank 0 sends the copies; another rank, whose copy is None, sends a
     reference to rank 0's (:func:`joined_results` puts rank 0's object there in the notebook).  A sharded object
     that is not among them is refused.
+
+    ``into`` (a rank of the notebook's host): the notebook's results file for this rank (its pid and descriptor,
+    ``sharing.results_file``); big tensors and arrays are copied into it, and the notebook maps them as it loads the
+    result (:func:`loads`).  Release the returned payload (:func:`release`) once it is sent.
     """
     if not whole and (value is None or type(value) is CellResult and not value.values):  # most cells
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return Payload(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     replacements = {id(original): _OnRankZero(index) if copy is None else copy
                     for index, (original, copy) in enumerate(whole)}
     if whole:
         copies = [copy for _, copy in whole]
         value = GatheredResult(value, None if any(copy is None for copy in copies) else copies)
+    store = sharing.Store(results_into=into) if into is not None else None
     buffer = io.BytesIO()
-    _ResultPickler(buffer, replacements, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
+    try:
+        _ResultPickler(buffer, replacements, store, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except BaseException:
+        if store is not None:
+            store.bundle.release()
+        raise
+    data = Payload(buffer.getvalue())
+    data.shared = store.bundle if store is not None else None
+    return data
 
 
 @dataclass
@@ -226,9 +238,10 @@ def _with_rank_zeros(value: Any, whole: list) -> Any:
 
 
 class _ResultPickler(cloudpickle.Pickler):
-    def __init__(self, file, replacements: Mapping[int, Any], protocol=None):
+    def __init__(self, file, replacements: Mapping[int, Any], store: sharing.Store | None = None, protocol=None):
         super().__init__(file, protocol=protocol)
         self._replacements = replacements
+        self._store = store
 
     def reducer_override(self, obj):
         replacement = self._replacements.get(id(obj), self)
@@ -248,6 +261,10 @@ class _ResultPickler(cloudpickle.Pickler):
             dtensor = sys.modules.get("torch.distributed.tensor")
             if dtensor is not None and isinstance(obj, dtensor.DTensor):
                 raise TypeError(_SHARDED_ELSEWHERE.format(what="a DTensor"))
+        if self._store is not None:
+            reduced = self._store.reduce(obj)  # (a detached CPU tensor by now: device tensors were copied above)
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
 
 
@@ -782,6 +799,7 @@ def load(path: str) -> Any:
 
 
 def loads(data: bytes) -> Any:
-    """A task sent in its message rather than in a file (a small one: see ``Job``)."""
+    """A task sent in its message rather than in a file (a small one: see ``Job``), or a rank's result, its big
+    arrays mapped from the shared memory they name."""
     with sharing.loading():
         return pickle.loads(data)

@@ -39,6 +39,14 @@ objects keep their values.  dtype, shape, strides, ``requires_grad`` and
 aliasing between tensors of one storage are kept; CUDA tensors travel through
 CPU memory and land on the rank's own GPU.
 
+Results, the other way: the notebook makes an empty memfd for each rank of a job (:func:`results_file`) and
+names it in the task's message; a rank of the notebook's host copies the big tensors and arrays of what it returns
+into it through ``/proc/<notebook pid>/fd/<n>`` (``Store(results_into=...)``, never moved: the rank's model goes on
+changing) and sends references to it.  The notebook maps them as it reads the result, so it holds one copy of the
+values, in the memfd's pages, and never a pickled one.  The file is the notebook's own from the start, so a rank
+may end the moment it has sent its result; the notebook closes it when the job ends (its mappings keep the pages
+the result uses).
+
 ``DDP_NOTEBOOK_SHARE_INPLACE=0`` copies instead of moving notebook memory;
 ``DDP_NOTEBOOK_SHARE_MIN_BYTES=off`` pickles everything the ordinary way.
 """
@@ -398,18 +406,22 @@ def _spare_memory() -> int:
 
 
 class _Arena:
-    """One shared file that copies are appended to, page-aligned."""
+    """One shared file that copies are appended to, page-aligned: this process's own (``kind`` "memory" or
+    "disk"), or the notebook's results file (``into``: its pid and descriptor)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, into: tuple[int, int] | None = None):
         self.kind = kind
-        if kind == "memory":
+        if into is not None:
+            self.fd = os.open(f"/proc/{into[0]}/fd/{into[1]}", os.O_RDWR | os.O_CLOEXEC)
+        elif kind == "memory":
             self.fd = os.memfd_create("ddp_notebook-copies", os.MFD_CLOEXEC)
         else:
             with tempfile.TemporaryFile(prefix="ddp_notebook-") as f:  # unlinked from the start
                 self.fd = os.dup(f.fileno())
+        self.pid, self.ref_fd = into if into is not None else (os.getpid(), self.fd)  # how others open it
         st = os.fstat(self.fd)
         self.dev, self.ino = st.st_dev, st.st_ino
-        self.size = 0
+        self.size = st.st_size
 
     def append(self, addr: int, nbytes: int) -> int:
         offset = (self.size + ALIGN - 1) // ALIGN * ALIGN
@@ -429,6 +441,17 @@ class _Arena:
         return offset
 
 
+def results_file() -> int | None:
+    """Notebook side: a new empty memfd a rank of this host copies the big arrays of its result into (see
+    ``Store(results_into=...)``); None where results cannot travel by shared memory.  Close it when the job ends."""
+    if min_bytes() is None or not hasattr(os, "memfd_create") or not _proc_fds_usable():
+        return None
+    try:
+        return os.memfd_create("ddp_notebook-results", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+
+
 class Store:
     """Consulted by the payload's pickler: big arrays become references to shared buffers.
 
@@ -436,11 +459,15 @@ class Store:
     ``via_proc=False``: the ranks do not open the buffers through ``/proc`` (an export writes them to a file).
     ``move=False`` copies every array, so the ranks get a snapshot and the notebook's memory is left as it is
     (for jobs that run while the notebook goes on working).
+    ``results_into`` (a rank's result): copies go into the notebook's results file, (its pid, the descriptor) of
+    :func:`results_file`, and nowhere else (a file of the rank's own would go with the rank).
     """
 
-    def __init__(self, dry: bool = False, move: bool = True, via_proc: bool = True):
+    def __init__(self, dry: bool = False, move: bool = True, via_proc: bool = True,
+                 results_into: tuple[int, int] | None = None):
         self.dry = dry
-        self.move = move
+        self.move = move and results_into is None
+        self.results_into = results_into
         self.bundle = Bundle()
         self.min_bytes = min_bytes()
         torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # never imported for this
@@ -613,18 +640,23 @@ class Store:
                 self._budget = int(float(limit)) if limit else _spare_memory()
             if self.bundle.stats["memory"] + nbytes <= self._budget:
                 kinds.append("memory")
-        kinds.append("disk")
+        if self.results_into is None:
+            kinds.append("disk")
         for kind in kinds:
             try:
                 arena = self._arenas.get(kind)
                 if arena is None:
-                    arena = self._arenas[kind] = _Arena(kind)
+                    arena = self._arenas[kind] = _Arena(kind, self.results_into)
                     self.bundle.adopt(arena.fd)
                 offset = arena.append(addr, nbytes)
             except OSError:
                 continue
             self.bundle.stats[kind] += nbytes
-            return (self._pid, arena.fd, arena.dev, arena.ino), offset
+            return (arena.pid, arena.ref_fd, arena.dev, arena.ino), offset
+        if self.results_into is not None:
+            warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB of the result (memory "
+                          f"limit reached); it is pickled into the result message instead", stacklevel=2)
+            return None
         warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB (memory limit and "
                       f"{tempfile.gettempdir()} both full); it is pickled into the payload instead", stacklevel=2)
         return None
@@ -662,36 +694,45 @@ def _numpy_default_allocator(np, root) -> bool:
 
 # -- rank side -------------------------------------------------------------------------------------
 
-_mapped: dict[tuple[int, int], mmap.mmap] = {}
-_storages: dict[tuple, Any] = {}
+class _Loading(threading.local):
+    """What one load has mapped so far, per thread (the notebook loads a background job's results on its thread)."""
+
+    def __init__(self) -> None:
+        self.mapped: dict[tuple, mmap.mmap] = {}
+        self.storages: dict[tuple, Any] = {}
+
+
+_loading = _Loading()
 
 
 @contextmanager
 def loading():
-    """One payload load: buffers mapped once, tensors of one storage rebuilt on one storage."""
+    """One load (a payload in a rank, a result in the notebook): buffers mapped once, tensors of one storage
+    rebuilt on one storage."""
     try:
         yield
     finally:
-        _mapped.clear()
-        _storages.clear()
+        _loading.mapped.clear()
+        _loading.storages.clear()
 
 
 def _map(ref: tuple) -> mmap.mmap:
     pid, fd, dev, ino = ref[:4]
-    mm = _mapped.get((dev, ino))
+    mm = _loading.mapped.get((dev, ino))
     if mm is not None:
         return mm
     path = f"/proc/{pid}/fd/{fd}"
     try:
         handle = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise RuntimeError(f"cannot open the notebook's shared data ({path}: {exc.strerror}); the job has "
-                           f"ended, or this system hides other processes' descriptors. Setting "
-                           f"DDP_NOTEBOOK_SHARE_MIN_BYTES=off sends big arrays inside the payload instead") from None
+        raise RuntimeError(f"cannot open the shared data of process {pid} ({path}: {exc.strerror}): it has ended "
+                           f"(the notebook's, when its job ends; a rank's result, when the rank ends before the "
+                           f"notebook reads it), or this system hides other processes' descriptors. Setting "
+                           f"DDP_NOTEBOOK_SHARE_MIN_BYTES=off sends big arrays inside the messages instead") from None
     try:
         st = os.fstat(handle)
         if (st.st_dev, st.st_ino) != (dev, ino):
-            raise RuntimeError(f"{path} is no longer the notebook's shared data (the job has ended)")
+            raise RuntimeError(f"{path} is no longer the shared data of process {pid} (it has ended)")
         size = st.st_size
         if len(ref) > 4:  # a block the notebook is still moving into shared memory: wait for all of it
             pause = 0.001
@@ -705,7 +746,7 @@ def _map(ref: tuple) -> mmap.mmap:
         mm = mmap.mmap(handle, size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE: writes stay this rank's
     finally:
         os.close(handle)
-    _mapped[(dev, ino)] = mm
+    _loading.mapped[(dev, ino)] = mm
     return mm
 
 
@@ -717,19 +758,19 @@ def map_export_arrays(path: str) -> None:
     """Rank side, inside ``loading()``: an export's array file is what its references (``EXPORT_REF``) map."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # a rank's writes stay its own
-    _mapped[(EXPORT_REF, os.path.basename(path))] = mm
+    _loading.mapped[(EXPORT_REF, os.path.basename(path))] = mm
 
 
 def _rebuild_tensor(ref, offset, nbytes, dtype, storage_offset, size, stride, requires_grad, device_type):
     import torch
 
     key = (ref[2], ref[3], offset, nbytes)
-    storage = _storages.get(key)
+    storage = _loading.storages.get(key)
     if storage is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about non-writable buffers; ours is writable
             storage = torch.frombuffer(_map(ref), dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
-        _storages[key] = storage
+        _loading.storages[key] = storage
     t = torch.empty((0,), dtype=dtype)
     t.set_(storage, storage_offset, size, stride)
     return on_rank_device(t.requires_grad_(requires_grad), device_type)

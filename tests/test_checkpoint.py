@@ -453,3 +453,13 @@ def test_best_checkpoint_keeps_exactly_the_best_files(tmp_path, mode, keep):
     assert best.best_score == (0.90 if mode == "max" else 0.10)
     best_epoch = 7 if mode == "max" else 8
     assert best.best_path == str(tmp_path / ("best.pt" if keep == 1 else f"best-epoch{best_epoch}.pt"))
+
+
+def test_resumes_start_epoch_travels_as_a_plain_int():
+    import pickle
+
+    from ddp_notebook.rank.checkpoint import LoadedCheckpoint, StartEpoch
+
+    start = StartEpoch(3, LoadedCheckpoint("/ckpt.pt", epoch=2, optimizer_state={"state": {}}))
+    back = pickle.loads(pickle.dumps(start))  # returned from a rank: the epoch, not the optimizer state it loaded
+    assert back == 3 and type(back) is int and start.checkpoint.epoch == 2

@@ -746,6 +746,9 @@ class StartEpoch(int):
         start.checkpoint = checkpoint
         return start
 
+    def __reduce__(self):  # sent anywhere (a result, a checkpoint's extra), it is the epoch: its checkpoint stays here
+        return int, (int(self),)
+
 
 def _rank_device() -> torch.device:
     ctx = context.current()

@@ -43,6 +43,11 @@ class LocalRanks(ChannelRanks):
             self._port_held.close()
             self._port_held = None
 
+    @property
+    def _store_file(self) -> str:
+        """Where the ranks of a job without ``--port`` meet (a FileStore in the job's private folder)."""
+        return os.path.join(self.workdir, "store")
+
     def launch(self, task: Any, task_id: int) -> None:
         spec = self.spec
         store_sock = None
@@ -51,6 +56,11 @@ class LocalRanks(ChannelRanks):
                 self._port_held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # per job, like the others')
                 self._port_held.bind((spec.master_addr, 0))
                 self.port = self._port_held.getsockname()[1]
+                # The ranks' FileStore: private like every file of the job (torch would make it with the umask).
+                store = os.open(self._store_file,
+                                os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                os.fchmod(store, 0o600)
+                os.close(store)
             elif spec.init_group:  # rank 0's TCPStore takes over a socket bound here: no one can take the port
                 store_sock = bind_port(spec.master_addr, spec.port)
                 self.port = store_sock.getsockname()[1]
@@ -76,7 +86,7 @@ class LocalRanks(ChannelRanks):
             "gpus": spec.gpus is not None and spec.init_group, "backend": spec.backend, "init_group": spec.init_group,
             "user_picks_gpu": spec.gpus is not None and not spec.init_group,
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
-            "store_file": os.path.join(self.workdir, "store") if spec.init_group and spec.port is None else None,
+            "store_file": self._store_file if spec.init_group and spec.port is None else None,
             "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
         }
         env = rank_environment(spec, self.port, rank, rank, spec.world_size)

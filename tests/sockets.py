@@ -6,6 +6,7 @@ keeps listening with no fd anywhere: only ``/proc/net/tcp{,6}`` shows it.
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 
@@ -59,3 +60,14 @@ def new_listeners(before: dict[tuple[str, int], int], root: int | None = None) -
     new = {key: inode for key, inode in now.items() if before.get(key) != inode}
     foreign = held_elsewhere(set(new.values()), root or os.getpid())
     return {key for key, inode in new.items() if inode not in foreign}
+
+
+def accepted(server, timeout: float = 30.0):
+    """The first connection a channel server accepts (it has passed the handshake), within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conns = server.new_connections()
+        if conns:
+            return conns[0]
+        time.sleep(0.01)
+    raise AssertionError("the server accepted no connection")

@@ -6,17 +6,10 @@ import time
 
 import pytest
 
+from sockets import accepted
 from ddp_notebook.wire.channel import ChannelServer, connect
 
 
-def _accepted(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        conns = server.new_connections()
-        if conns:
-            return conns[0]
-        time.sleep(0.01)
-    raise AssertionError("the server accepted no connection")
 
 
 def _no_delay(conn) -> int:
@@ -31,7 +24,7 @@ def test_both_ends_send_without_nagle_and_messages_around_the_split_arrive_whole
     server = ChannelServer()
     try:
         rank_side = connect(server.address, server.key, timeout=timeout)
-        notebook_side = _accepted(server)
+        notebook_side = accepted(server)
         assert _no_delay(rank_side) and _no_delay(notebook_side)
         for size in (0, 1, 16_384 - 40, 16_384, 16_384 + 1, 100_000):
             body = {"data": os.urandom(size)}
@@ -53,11 +46,11 @@ def test_the_server_is_readable_while_connections_wait_to_be_taken():
         assert select.select([server], [], [], 0)[0] == []
         first = connect(server.address, server.key)
         assert select.select([server], [], [], 10)[0] == [server]
-        taken = _accepted(server)
+        taken = accepted(server)
         assert select.select([server], [], [], 0)[0] == []  # taken: nothing waits
         second = connect(server.address, server.key)
         assert select.select([server], [], [], 10)[0] == [server]
-        taken_second = _accepted(server)
+        taken_second = accepted(server)
         for conn in (first, second, taken, taken_second):
             conn.close()
     finally:
@@ -106,7 +99,7 @@ def test_wait_closed_returns_when_the_peer_closes_and_leaves_its_messages_to_be_
     server = ChannelServer()
     try:
         rank_side = connect(server.address, server.key)
-        notebook_side = _accepted(server)
+        notebook_side = accepted(server)
         closed = threading.Event()
         watcher = threading.Thread(target=lambda: (wait_closed(rank_side), closed.set()), daemon=True)
         watcher.start()
@@ -137,7 +130,7 @@ def test_send_together_delivers_each_message_whole_as_send_bytes_does():
         ranks, notebook = [], []
         for _ in range(2):  # one at a time: each rank's end with its notebook end
             ranks.append(connect(server.address, server.key))
-            notebook.append(_accepted(server))
+            notebook.append(accepted(server))
         messages = [b"", b"x", os.urandom(1000), os.urandom(16384), os.urandom(16385), os.urandom(300_000)]
         for data in messages:
             assert send_together(notebook, data) == []
@@ -177,7 +170,7 @@ def test_receive_now_reads_only_a_message_that_has_arrived_whole():
     server = ChannelServer()
     try:
         rank = connect(server.address, server.key)
-        notebook = _accepted(server)
+        notebook = accepted(server)
         assert receive_now(notebook) == (False, None)  # nothing yet
         rank.send(("result", {"task": 3, "value": b"\0" * 1000}))
         rank.send(("bye", {}))

@@ -23,6 +23,7 @@ import tracemalloc
 import pytest
 
 from ddp_notebook.wire import channel
+from sockets import accepted
 from ddp_notebook.wire.channel import ChannelServer, FrameRefused, connect, receive_now
 
 OTHER_USER = "ddpnb-other"
@@ -50,14 +51,6 @@ def _as_other(user: str, code: str) -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
 
 
-def _accepted(server, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        conns = server.new_connections()
-        if conns:
-            return conns[0]
-        time.sleep(0.01)
-    raise AssertionError("the server accepted no connection")
 
 
 def _auth_threads() -> list[threading.Thread]:
@@ -109,7 +102,7 @@ def test_handshakes_in_progress_are_capped_and_a_rank_still_gets_in(monkeypatch)
         _until(lambda: server.refused >= 16)  # the ones over the cap: closed at once
         assert len(_auth_threads()) <= 4
         rank = connect(server.address, server.key, timeout=60)  # refused while the slots are held, then let in
-        notebook = _accepted(server)
+        notebook = accepted(server)
         rank.send(("hello", {"rank": 0}))
         assert notebook.recv() == ("hello", {"rank": 0})
         rank.close()
@@ -362,7 +355,7 @@ def test_a_relay_that_alters_or_injects_after_the_handshake_is_refused_before_un
     relay = Relay(server.address, direction, _attacks(marker)[attack])
     try:
         rank = connect(relay.address, server.key, timeout=30)
-        notebook = _accepted(server)
+        notebook = accepted(server)
         sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
         sender.send(("metric", {"loss": 0.5}))
         assert receiver.recv() == ("metric", {"loss": 0.5})  # untouched: passes
@@ -403,7 +396,7 @@ def test_a_forged_length_allocates_only_what_has_arrived(direction):
     tracemalloc.start()
     try:
         rank = connect(relay.address, server.key, timeout=30)
-        notebook = _accepted(server)
+        notebook = accepted(server)
         sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
         sender.send(("metric", {"loss": 0.5}))
         assert receiver.recv() == ("metric", {"loss": 0.5})
@@ -429,7 +422,7 @@ def test_a_length_beyond_the_machines_memory_is_refused_unread(tmp_path, directi
     tracemalloc.start()
     try:
         rank = connect(relay.address, server.key, timeout=30)
-        notebook = _accepted(server)
+        notebook = accepted(server)
         sender, receiver = (rank, notebook) if direction == "to notebook" else (notebook, rank)
         sender.send(("metric", {"loss": 0.5}))
         assert receiver.recv() == ("metric", {"loss": 0.5})

@@ -9,7 +9,10 @@ written from it).  Each part runs in a process of its own playing the notebook (
   between barriers; the ratio is of the medians.
 - gather: a run that returns the model and one that returns None, the same model otherwise (built on the meta
   device and sharded before any rank holds it whole); every process's PSS is sampled every 20 ms from here
-  (``pss_sampler.rollup``); a process's cost of the gather is its peak in the first run over its peak in the second.
+  (``pss_sampler.rollup``); a process's cost of the gather is its peak in the first run over its peak in the second,
+  and the whole tree's (notebook and ranks summed at each sample: pages they share, such as the results file rank 0
+  gathers into and the notebook maps, count once) its peak total in the first run over that of the second.  The
+  notebook has imported torch in both runs, as a notebook that trains has.
 """
 from __future__ import annotations
 
@@ -99,21 +102,28 @@ def _child(part: str, mib: int, repeats: int, returns: bool, folder: str) -> Non
         times = ddp_notebook.launch(_save_task, args=(mib, repeats, folder), cpus=2)[0]
         print(json.dumps(times))
     else:
+        import torch  # noqa: F401 - a notebook that trains has (and the returned model needs it)
+
         result = ddp_notebook.launch(_gather_task, args=(mib, returns, folder), cpus=2)[0]
         whole = sum(p.numel() * p.element_size() for p in result.parameters()) if returns else 0
+        time.sleep(1)  # the notebook holding the result, sampled
         print(json.dumps({"returned_bytes": whole}))
 
 
 def _run(args: list[str], sample: bool = False) -> tuple[dict, dict, int]:
-    """Run a child; its JSON line, when sampled every process's peak PSS in bytes by pid, and the child's pid."""
+    """Run a child; its JSON line, when sampled every process's peak PSS in bytes by pid (and under "total" the
+    peak of their sum), and the child's pid."""
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE, text=True)
-    peaks: dict[int, int] = {}
+    peaks: dict = {}
     while sample and proc.poll() is None:
         tick = time.perf_counter()
+        total = 0
         for pid in [proc.pid, *descendants(proc.pid)]:
             found = rollup(pid)
             if found is not None:
                 peaks[pid] = max(peaks.get(pid, 0), found["pss"])
+                total += found["pss"]
+        peaks["total"] = max(peaks.get("total", 0), total)
         time.sleep(max(0.0, 0.02 - (time.perf_counter() - tick)))
     out, _ = proc.communicate()
     if proc.returncode:
@@ -129,7 +139,7 @@ def _gather_peaks(mib: int, returns: bool) -> dict:
         for rank in (0, 1):
             with open(os.path.join(folder, f"rank{rank}.pid")) as f:
                 ranks[f"rank {rank}"] = peaks.get(int(f.read()), 0)
-    return {**ranks, "notebook": peaks[notebook], **told}
+    return {**ranks, "notebook": peaks[notebook], "total": peaks["total"], **told}
 
 
 def main() -> None:
@@ -137,6 +147,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024, help="the model's size (fp32 weights), MiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--child", choices=["save", "gather"], help=argparse.SUPPRESS)
+    parser.add_argument("--gather-only", action="store_true", help="measure the gather's memory alone")
     parser.add_argument("--returns", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,20 +155,22 @@ def main() -> None:
         _child(args.child, args.mib, args.repeats, args.returns, args.folder)
         return
     model_bytes = args.mib * 2**20
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SHARDED_DIR")) as folder:
-        times, _, _ = _run(["--child", "save", "--mib", str(args.mib), "--repeats", str(args.repeats),
-                         "--folder", folder])
+    times: dict = {}
+    if not args.gather_only:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SHARDED_DIR")) as folder:
+            times, _, _ = _run(["--child", "save", "--mib", str(args.mib), "--repeats", str(args.repeats),
+                                "--folder", folder])
     medians = {name: statistics.median(values) for name, values in times.items()}
     returning, baseline = _gather_peaks(args.mib, True), _gather_peaks(args.mib, False)
     assert returning["returned_bytes"] == model_bytes, returning
-    over = {who: returning[who] - baseline[who] for who in ("rank 0", "rank 1", "notebook")}
+    over = {who: returning[who] - baseline[who] for who in ("rank 0", "rank 1", "notebook", "total")}
     print(json.dumps({
         "model_mib": args.mib,
         "save_s": times, "save_median_s": medians,
-        "save_ratio": medians["save_checkpoint"] / medians["dcp.save"],
+        "save_ratio": medians["save_checkpoint"] / medians["dcp.save"] if medians else None,
         "gather_peak_pss_mib": {"returning": {k: returning[k] / 2**20 for k in over},
                                 "returning None": {k: baseline[k] / 2**20 for k in over}},
-        "gather_over_model": {"rank 0": over["rank 0"] / model_bytes, "notebook": over["notebook"] / model_bytes},
+        "gather_over_model": {who: over[who] / model_bytes for who in ("rank 0", "notebook", "total")},
         "gather_over_shard": {"rank 1": over["rank 1"] / (model_bytes / 2)},
     }, indent=1))
 

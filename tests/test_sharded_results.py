@@ -19,10 +19,15 @@ from nbrun import execute, kernel, run_until_pids
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
-@pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
-def warm(request, no_leftovers):
-    """A warm pool of 2 or 3 ranks: one test's examples share it (a pool starts in well under a second)."""
-    ranks = pool.Pool(job_spec.resolve_devices(cpus=request.param)).start()
+@pytest.fixture(params=[(2, None), (3, "1")], ids=["2 ranks", "3 ranks, every tensor by shared memory"])
+def warm(request, no_leftovers, monkeypatch):
+    """A warm pool of 2 or 3 ranks: one test's examples share it (a pool starts in well under a second).  With 3
+    ranks every tensor of a result is over the sharing threshold, so each whole copy is gathered straight into the
+    notebook's results file."""
+    ranks, min_bytes = request.param
+    if min_bytes is not None:
+        monkeypatch.setenv("DDP_NOTEBOOK_SHARE_MIN_BYTES", min_bytes)
+    ranks = pool.Pool(job_spec.resolve_devices(cpus=ranks)).start()
     yield ranks
     ranks.stop()
 
@@ -483,3 +488,47 @@ def test_the_issue_repro_returns_the_fsdp2_model_whole_fresh_stopped_and_from_a_
                             CHECK_CELL, "%ddp_stop"])
         assert told.count("WHOLE Net (33, 16)") == 2, told
         assert "RANK-SIDE 0 FSDPNet DTensor (17, 16)" in told and "RANK-SIDE 1 FSDPNet DTensor (16, 16)" in told, told
+
+
+def _peak_growth_of_the_gather(width: int) -> tuple[int, int]:
+    """Rank side: an FSDP2 model built sharded (never whole on any rank) gathered as at a task's end, into the
+    notebook's results file; (bytes of the rank's memory at rest, how far its peak rose above that meanwhile)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from ddp_notebook.rank import context, sharded
+    from ddp_notebook.wire import payload
+
+    def kib(key):
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(4)))
+    for layer in model:
+        fully_shard(layer)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p.to_local())
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from now
+    at_rest = kib("VmRSS")
+    ctx = context.current()
+    store = payload.result_store(ctx.extra["results_file"])
+    whole = sharded.whole_copies(model, "model", ctx.rank, ctx.world_size, allocate=store.new_tensor)
+    growth = kib("VmHWM") - at_rest
+    full = [p.full_tensor() for p in model.parameters()]  # (a collective: every rank)
+    if ctx.rank == 0:
+        assert all(torch.equal(a, b) for a, b in zip(whole[0][1].parameters(), full))
+    return at_rest << 10, growth << 10
+
+
+def test_the_gather_holds_the_model_once_on_rank_0_and_nothing_more_than_its_shard_elsewhere(no_leftovers):
+    """Each rank sends its rows of every FSDP2 parameter straight into rank 0's copy, which is the notebook's
+    results file: rank 0 never holds a second copy (no all-gather output, no pickled one), the other ranks nothing
+    but their shards (a whole parameter would be a quarter of the model)."""
+    width = 2048
+    model_bytes = 4 * width * width * 4
+    (_, rank0_growth), (_, rank1_growth) = ddp_notebook.launch(_peak_growth_of_the_gather, args=(width,), cpus=2)
+    assert rank0_growth <= 1.1 * model_bytes, (rank0_growth, model_bytes)
+    assert rank1_growth <= 0.1 * model_bytes, (rank1_growth, model_bytes)

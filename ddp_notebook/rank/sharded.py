@@ -151,10 +151,33 @@ def _fsdp1_model_of(opt: Any, found: list[tuple[str, Any]]) -> Any:
     return None
 
 
-def _describe(obj: Any) -> tuple:
-    """What every rank must agree on before gathering ``obj``: its kind and the shapes it gathers, in order."""
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in _gathered_tensors(obj)]
+def _describe(obj: Any, rank: int, world_size: int) -> tuple:
+    """What every rank must agree on before gathering ``obj``: its kind, and the shapes it gathers and how, in
+    order (so that every rank takes the same way for each tensor)."""
+    shapes = [(tuple(t.shape), str(t.dtype), "rows" if _rows_to_rank0(t, rank, world_size) else "whole")
+              for t in _gathered_tensors(obj)]
     return type(obj).__qualname__, shapes
+
+
+def _row_chunks(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """Each rank's (first row, row count) of a tensor sharded on dim 0 over ``world_size`` ranks, as ``torch.chunk``
+    splits it (FSDP2's and DTensor's ``Shard(0)``): the last ranks may hold fewer rows, or none."""
+    chunk = -(-rows // world_size)
+    return [(min(r * chunk, rows), max(0, min(chunk, rows - r * chunk))) for r in range(world_size)]
+
+
+def _rows_to_rank0(tensor: Any, rank: int, world_size: int) -> bool:
+    """Can ``tensor`` be gathered by each rank sending its rows straight to rank 0 (a CPU DTensor sharded on dim 0
+    over every rank in order: FSDP2's parameters and their optimizer state), with no rank but rank 0 holding more
+    than its shard?"""
+    if not is_dtensor(tensor):
+        return False
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(0) or tensor.ndim == 0:
+        return False
+    local = tensor.to_local()
+    return (local.device.type == "cpu" and mesh.mesh.tolist() == list(range(world_size)) and
+            tuple(local.shape) == (_row_chunks(tensor.shape[0], world_size)[rank][1], *tensor.shape[1:]))
 
 
 def _gathered_tensors(obj: Any) -> list:
@@ -169,9 +192,11 @@ def _gathered_tensors(obj: Any) -> list:
     return [obj]
 
 
-def whole_copies(value: Any, where: str, rank: int, world_size: int, every_rank_runs: bool = True) -> list[tuple]:
+def whole_copies(value: Any, where: str, rank: int, world_size: int, every_rank_runs: bool = True,
+                 allocate: Callable[[tuple, Any], Any] | None = None) -> list[tuple]:
     """At a task's end, on every rank: the sharded things in ``value`` (:func:`sharded_in`), each with its whole copy
-    on rank 0 (None elsewhere), in the order found: [(object, whole copy)].
+    on rank 0 (None elsewhere), in the order found: [(object, whole copy)].  ``allocate(shape, dtype)`` gives the
+    memory of a whole tensor (the result's shared file: ``Store.new_tensor``), or None for a plain one.
 
     A rank that finds nothing returns [] at once, with no collective and no store operation.  The ranks that find
     something first agree, in the job's store, that every rank found the same (:func:`_agree`), then gather
@@ -190,8 +215,8 @@ def whole_copies(value: Any, where: str, rank: int, world_size: int, every_rank_
         if not (dist.is_available() and dist.is_initialized()):
             raise ShardedResultError(f"{found[0][0]} is sharded, and the process group is gone: a sharded value is "
                                      f"gathered after the task returns, so leave the process group up until then")
-        _agree([(place, _describe(obj)) for place, obj in found], rank, world_size)
-    gathering = _Gathering(keep=rank == 0, found=found)
+        _agree([(place, _describe(obj, rank, world_size)) for place, obj in found], rank, world_size)
+    gathering = _Gathering(keep=rank == 0, found=found, allocate=allocate, rank=rank, world_size=world_size)
     return [(obj, gathering.whole(obj)) for _, obj in found]
 
 
@@ -291,8 +316,11 @@ def _difference(mine: list, theirs: list, rank: int, other: int) -> str:
 class _Gathering:
     """Whole copies of sharded things, one DTensor at a time; ``keep``: this rank keeps them (rank 0)."""
 
-    def __init__(self, keep: bool, found: list[tuple[str, Any]] = ()):
+    def __init__(self, keep: bool, found: list[tuple[str, Any]] = (), allocate: Callable | None = None,
+                 rank: int = 0, world_size: int = 1):
         self.keep = keep
+        self.allocate = allocate
+        self.rank, self.world_size = rank, world_size
         self.found = list(found)  # (where an FSDP1 optimizer finds its model)
         self.done: dict[int, Any] = {}  # id(original) -> its whole copy: a tensor shared by a model and an optimizer
         self._originals: list = []  # (keeps every original alive while its id is a key)
@@ -319,15 +347,55 @@ class _Gathering:
         import torch
 
         with torch.no_grad():
-            full = tensor.full_tensor()
+            full = self._gathered(tensor)
         if not self.keep:
             return self._remember(tensor, None)
-        full = full.to("cpu")  # (already a fresh tensor of its own on a CPU rank)
         if isinstance(tensor, torch.nn.Parameter):
             full = torch.nn.Parameter(full, requires_grad=tensor.requires_grad)
         else:
             full.requires_grad_(tensor.requires_grad and tensor.grad_fn is None)
         return self._remember(tensor, full)
+
+    def _gathered(self, tensor: Any) -> Any:
+        """The whole of DTensor ``tensor`` on rank 0, in memory from ``allocate`` where it gives some; None on the
+        other ranks."""
+        import torch
+
+        if _rows_to_rank0(tensor, self.rank, self.world_size):
+            return self._rows_gathered(tensor)
+        full = tensor.full_tensor()  # (every rank holds the whole tensor for a moment)
+        if not self.keep:
+            return None
+        whole = self._new(tuple(full.shape), full.dtype)
+        whole.copy_(full)
+        return whole
+
+    def _rows_gathered(self, tensor: Any) -> Any:
+        """Each rank sends its rows to rank 0, which receives them in place: the other ranks hold nothing more than
+        their shards, rank 0 the whole tensor."""
+        import torch.distributed as dist
+
+        local = tensor.to_local()
+        group = tensor.device_mesh.get_group()
+        chunks = _row_chunks(tensor.shape[0], self.world_size)
+        if not self.keep:
+            if local.numel():
+                dist.send(_as_bytes(local.contiguous()), dst=0, group=group)
+            return None
+        whole = self._new(tuple(tensor.shape), tensor.dtype)
+        for source, (first, count) in enumerate(chunks):
+            rows = whole.narrow(0, first, count)
+            if source == self.rank:
+                rows.copy_(local)
+            elif rows.numel():
+                dist.recv(_as_bytes(rows), src=source, group=group)
+        return whole
+
+    def _new(self, shape: tuple, dtype: Any) -> Any:
+        import torch
+
+        made = self.allocate(shape, dtype) if self.allocate is not None else None
+        return made if made is not None else torch.empty(shape, dtype=dtype)
 
     def module(self, module: Any) -> Any:
         if any(is_fsdp1(sub) for sub in module.modules()):
@@ -473,6 +541,13 @@ def _quiet_fsdp1() -> Iterator[None]:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", module=r"torch\.distributed")
         yield
+
+
+def _as_bytes(tensor: Any) -> Any:
+    """A contiguous tensor's memory as bytes (what gloo sends of any dtype)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -330,12 +330,14 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
             interruptible.clear()
         if sender is not None:
             # Every rank that returns a sharded value joins its gather, sent or not (a cell's are rank 0's).
+            store = payload.result_store(ctx.extra.get("results_file"))
             whole = sharded.whole_copies(value.values if isinstance(value, payload.CellResult) else value,
                                          "" if isinstance(value, payload.CellResult) else "the return value",
-                                         ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True))
+                                         ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True),
+                                         allocate=store.new_tensor if store is not None else None)
             value = task.sent_by(ctx.rank, value)
             stopped = stopping.stopped_at()
-            result = payload.dumps_result(value, whole if value is not None else (), ctx.extra.get("results_file"))
+            result = payload.dumps_result(value, whole if value is not None else (), store=store)
             try:
                 sender.send_now(protocol.RESULT, {"task": task_id, "value": bytes(result),
                                                   **({"stopped": stopped} if stopped else {})})

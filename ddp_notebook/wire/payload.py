@@ -158,7 +158,14 @@ def unwrap_model(model: Any) -> Any:
             return model
 
 
-def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = (), into: tuple[int, int] | None = None) -> Payload:
+def result_store(into: tuple[int, int] | None) -> sharing.Store | None:
+    """Rank side: where the big tensors of a rank's result go, made before the result is (a sharded value's whole
+    copies are gathered straight into it: ``Store.new_tensor``); ``into`` as for :func:`dumps_result`."""
+    return sharing.Store(results_into=into) if into is not None else None
+
+
+def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = (), into: tuple[int, int] | None = None,
+                 store: sharing.Store | None = None) -> Payload:
     """Rank side: pickle what a rank returns to the notebook.
 
     Wrapped models travel as the plain module, tensors on a device as CPU
@@ -173,7 +180,8 @@ def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = (), into: tuple[
 
     ``into`` (a rank of the notebook's host): the notebook's results file for this rank (its pid and descriptor,
     ``sharing.results_file``); big tensors and arrays are copied into it, and the notebook maps them as it loads the
-    result (:func:`loads`).  Release the returned payload (:func:`release`) once it is sent.
+    result (:func:`loads`); or ``store``, the :func:`result_store` the whole copies were made in.  Release the
+    returned payload (:func:`release`) once it is sent.
     """
     if not whole and (value is None or type(value) is CellResult and not value.values):  # most cells
         return Payload(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
@@ -182,7 +190,8 @@ def dumps_result(value: Any, whole: Sequence[tuple[Any, Any]] = (), into: tuple[
     if whole:
         copies = [copy for _, copy in whole]
         value = GatheredResult(value, None if any(copy is None for copy in copies) else copies)
-    store = sharing.Store(results_into=into) if into is not None else None
+    if store is None:
+        store = result_store(into)
     buffer = io.BytesIO()
     try:
         _ResultPickler(buffer, replacements, store, protocol=pickle.HIGHEST_PROTOCOL).dump(value)

@@ -424,6 +424,19 @@ class _Arena:
         self.size = st.st_size
 
     def append(self, addr: int, nbytes: int) -> int:
+        """Copy [addr, addr + nbytes) to the end of the file; its offset there."""
+        before = self.size
+        offset = self.reserve(nbytes)
+        try:
+            write_at(self.fd, addr, nbytes, offset)
+        except OSError:
+            os.ftruncate(self.fd, before)
+            self.size = before
+            raise
+        return offset
+
+    def reserve(self, nbytes: int) -> int:
+        """Room for ``nbytes`` at the end of the file, every page of it allocated (no SIGBUS later); its offset."""
         offset = (self.size + ALIGN - 1) // ALIGN * ALIGN
         if self.kind == "disk":
             st = os.statvfs(tempfile.gettempdir())
@@ -433,7 +446,6 @@ class _Arena:
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(self.fd, offset, nbytes)
-            write_at(self.fd, addr, nbytes, offset)
         except OSError:
             os.ftruncate(self.fd, self.size)
             raise
@@ -633,21 +645,12 @@ class Store:
 
     def copy_block(self, addr: int, nbytes: int) -> tuple | None:
         """Share a copy of [addr, addr + nbytes); None when there is no room anywhere."""
-        kinds = []
-        if hasattr(os, "memfd_create"):
-            if self._budget is None:
-                limit = os.environ.get("DDP_NOTEBOOK_SHM_LIMIT", "").strip()
-                self._budget = int(float(limit)) if limit else _spare_memory()
-            if self.bundle.stats["memory"] + nbytes <= self._budget:
-                kinds.append("memory")
+        kinds = ["memory"] if self._memory_has_room(nbytes) else []
         if self.results_into is None:
             kinds.append("disk")
         for kind in kinds:
             try:
-                arena = self._arenas.get(kind)
-                if arena is None:
-                    arena = self._arenas[kind] = _Arena(kind, self.results_into)
-                    self.bundle.adopt(arena.fd)
+                arena = self._arena(kind)
                 offset = arena.append(addr, nbytes)
             except OSError:
                 continue
@@ -660,6 +663,52 @@ class Store:
         warnings.warn(f"ddp_notebook: no room to share an array of {nbytes / 2**20:.0f} MiB (memory limit and "
                       f"{tempfile.gettempdir()} both full); it is pickled into the payload instead", stacklevel=2)
         return None
+
+
+    def new_tensor(self, shape: tuple, dtype: Any) -> Any:
+        """A rank's result: an uninitialised CPU tensor whose memory already is the notebook's results file, so that
+        a value written there (a sharded model's gathered parameter) is sent without a copy of the rank's own;
+        None where it cannot be (no results file, sharing off, below the threshold, no room)."""
+        torch = sys.modules.get("torch")
+        if self.results_into is None or not self._enabled or torch is None:
+            return None
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * dtype.itemsize
+        if nbytes < self.min_bytes or not self._memory_has_room(nbytes):
+            return None
+        try:
+            arena = self._arena("memory")
+            offset = arena.reserve(nbytes)
+            region = mmap.mmap(arena.fd, nbytes, offset=offset)  # MAP_SHARED: the rank writes the file itself
+        except OSError:
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (frombuffer's warning is about read-only buffers)
+            tensor = torch.frombuffer(region, dtype=dtype, count=count).view(shape)
+        storage = tensor.untyped_storage()
+        # The pickler finds it by its storage (as it finds a block copied in already) and sends the reference.
+        self._placed[("cpu", storage.data_ptr(), storage.nbytes())] = \
+            ((arena.pid, arena.ref_fd, arena.dev, arena.ino), offset)
+        self.bundle.stats["memory"] += nbytes
+        self.bundle.stats["arrays"] += 1
+        return tensor
+
+    def _memory_has_room(self, nbytes: int) -> bool:
+        if not hasattr(os, "memfd_create"):
+            return False
+        if self._budget is None:
+            limit = os.environ.get("DDP_NOTEBOOK_SHM_LIMIT", "").strip()
+            self._budget = int(float(limit)) if limit else _spare_memory()
+        return self.bundle.stats["memory"] + nbytes <= self._budget
+
+    def _arena(self, kind: str) -> "_Arena":
+        arena = self._arenas.get(kind)
+        if arena is None:
+            arena = self._arenas[kind] = _Arena(kind, self.results_into)
+            self.bundle.adopt(arena.fd)
+        return arena
 
 
 _MISSING = object()

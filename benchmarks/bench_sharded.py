@@ -106,7 +106,9 @@ def _child(part: str, mib: int, repeats: int, returns: bool, folder: str) -> Non
 
         result = ddp_notebook.launch(_gather_task, args=(mib, returns, folder), cpus=2)[0]
         whole = sum(p.numel() * p.element_size() for p in result.parameters()) if returns else 0
-        time.sleep(1)  # the notebook holding the result, sampled
+        if returns:
+            sum(float(p.detach().sum()) for p in result.parameters())  # the notebook reads every page of the result
+        time.sleep(1)  # ... and holds it, sampled
         print(json.dumps({"returned_bytes": whole}))
 
 

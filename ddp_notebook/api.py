@@ -14,6 +14,7 @@ from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay
+from .notebook import prompting
 from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
 from .wire import payload
 from .wire.errors import LaunchError
@@ -60,8 +61,11 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
     if detach:
         return submit_detached(spec, task)
-    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
-                                max_restarts=max_restarts, log_dir=log_dir))
+    job = prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
+                      max_restarts=max_restarts, log_dir=log_dir)
+    if not background:
+        job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
+    start_job(job)
     return job.run_in_background() if background else job.result()
 
 

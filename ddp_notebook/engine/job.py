@@ -9,6 +9,7 @@ nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 from __future__ import annotations
 
 import _signal
+import collections
 import contextlib
 import itertools
 import os
@@ -56,6 +57,11 @@ def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
 
 
 _task_ids = itertools.count(1)
+
+
+class PromptRefused(Exception):
+    """What answers a job's prompts cannot ask (no stdin in the front end); the message says why, and the rank
+    that asked fails with it."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,11 @@ class Job(EventSource):
         self._stop_requested = False
         self._stopped_by = "job.stop()"
         self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
+        # Answers the ranks' prompts (input(), pdb) with a line typed in the notebook, or raises PromptRefused
+        # (EOFError: the end of input); set for a run in the foreground. None: prompts are refused.
+        self.prompter: Callable[[str], str] | None = None
+        self._prompts: collections.deque = collections.deque()  # (rank, PROMPT body), in the order they came
+        self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
 
     @property
     def pids(self) -> dict[int, int]:
@@ -325,7 +336,54 @@ class Job(EventSource):
         elif kind == protocol.FAILED:
             self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"],
                                       body["kind"]))
+            if body["kind"] == "debugger":  # q, or the end of input, in a rank's debugger: the job stops
+                self._stopped_by = f"quitting the debugger of rank {rank}"
+                self._stop_requested = True
+        elif kind == protocol.PROMPT:
+            if self.prompter is None:
+                self._answer(rank, {"refused": self._no_prompter_why()})
+            else:
+                self._prompts.append((rank, body))
+        elif kind == protocol.SAID:
+            self.relay.flush()
+            sys.stdout.write(body["text"])
+            sys.stdout.flush()
         self.emit(kind, rank, body)
+
+    def _no_prompter_why(self) -> str:
+        if self._refusal is not None:
+            return self._refusal
+        if self._thread is not None:
+            return f"job #{self.task_id} runs in the background and its cell has returned, so no input box can " \
+                   f"reach the notebook (run the cell in the foreground to debug it)"
+        return f"nothing answers the prompts of job #{self.task_id}"
+
+    def _answer_prompt(self) -> None:
+        """Ask the oldest prompt of a rank in the notebook (one at a time, in the order they came) and send the
+        answer.  An interrupt at the prompt stops the job."""
+        rank, body = self._prompts.popleft()
+        self.group.pump(0)  # what the rank printed before it asked is shown first
+        self.relay.flush()
+        if body.get("said"):
+            sys.stdout.write(body["said"])
+            sys.stdout.flush()
+        try:
+            answer = {"text": self.prompter(body["prompt"])}
+        except EOFError:
+            answer = {"eof": True}
+        except KeyboardInterrupt:
+            self._stopped_by = f"an interrupt at the prompt of rank {rank} (the debugger)"
+            self._stop_requested = True
+            return
+        except Exception as exc:  # noqa: BLE001 - the rank fails with the reason, never waits
+            why = str(exc) if isinstance(exc, PromptRefused) else \
+                f"the notebook could not ask ({type(exc).__name__}: {exc})"
+            self.prompter, self._refusal = None, why  # every later prompt is refused alike, at once
+            answer = {"refused": why}
+        self._answer(rank, answer)
+
+    def _answer(self, rank: int, answer: dict) -> None:
+        self.group.send(rank, (protocol.ANSWER, {"task": self.task_id, **answer}))
 
     def _on_exit(self, rank: int, code: int | None) -> None:
         if rank not in self._results and rank not in self._failures and self._outcome is None \
@@ -465,6 +523,8 @@ class Job(EventSource):
             if self._graceful_by is not None and self._stop_asked_at is None:
                 self._ask_to_stop(self._graceful_by)
             self._pump()
+            while self._prompts and not self._stop_requested:
+                self._answer_prompt()
         except KeyboardInterrupt:
             if self._stop_asked_at is None and self.stoppable:
                 self._ask_to_stop("the interrupt")

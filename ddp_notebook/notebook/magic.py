@@ -24,8 +24,8 @@ from ..engine import pool as pool_module
 from ..engine import spec as job_spec
 from ..engine import template as rank_template
 from ..wire import payload
-from ..wire.errors import LaunchError, RankError
-from . import dashboard
+from ..wire.errors import JobStopped, LaunchError, RankError
+from . import dashboard, prompting
 
 
 def parse_flags(magic, line: str):
@@ -323,6 +323,7 @@ class DDPMagics(Magics):
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)
         job.show_where_interrupted = True
+        job.prompter = prompting.ask_in_notebook
         try:
             api.start_job(job)
         except LaunchError as exc:
@@ -331,6 +332,8 @@ class DDPMagics(Magics):
             results = job.result()
         except KeyboardInterrupt:
             raise _interrupted_hard(job) from None
+        except JobStopped as stopped:
+            raise UsageError(str(stopped)) from None  # (one line: stopped from the debugger)
         finally:
             settle(job)
         if job.stopped_text:

@@ -1,0 +1,213 @@
+"""A rank's keyboard is the notebook's: ``input()``, ``breakpoint()``, ``pdb.set_trace()`` and
+``torch.distributed.breakpoint()`` in a rank ask through the notebook's stdin (Jupyter's input box).
+
+A line read in a rank is a :data:`~ddp_notebook.wire.protocol.PROMPT` message carrying the prompt, and a wait for
+the notebook's :data:`~ddp_notebook.wire.protocol.ANSWER`: the typed line, the end of input, or a refusal that says
+why no one can answer (no stdin in the front end, a background job), which fails the rank at once.  The debugger
+(:class:`RankPdb`) writes to the notebook in its messages, never to the rank's output, so ``--output 0`` does not
+hide it; its prompt names the rank and its frames name cells as the notebook does ("Cell In[3], line 4").
+Rank side: no IPython here.
+"""
+from __future__ import annotations
+
+import bdb
+import builtins
+import io
+import os
+import pdb
+import sys
+from typing import Callable
+
+from ..wire import payload, protocol
+from . import context
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_CHANNEL = ("input() in a rank: this rank has no connection to the notebook (it reports through files), so no "
+              "prompt can reach anyone; ask in the notebook before the job and pass the value to it")
+
+_send: Callable[[str, dict], None] | None = None  # sends a message to the notebook now
+_receive_answer: Callable[[], dict] | None = None  # waits for the notebook's ANSWER
+
+
+class Keyboard(io.TextIOBase):
+    """A rank's ``sys.stdin``: each line read is asked of the notebook.  ``echo``: the debugger's output, whose
+    unended last line (its prompt) becomes the prompt shown in the notebook and the rest is shown above it."""
+
+    def __init__(self, echo: "NotebookText | None" = None):
+        super().__init__()
+        self._echo = echo
+
+    def readable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def readline(self, size: int | None = -1) -> str:
+        if self._echo is None:
+            return ask_line(f"{_label()} ")
+        said, prompt = self._echo.take()
+        return ask_line(prompt, said)
+
+    def read(self, size: int | None = -1) -> str:
+        return self.readline()
+
+
+class NotebookText(io.TextIOBase):
+    """What a rank's debugger writes: kept until its next prompt, which carries it to the notebook (or sent as
+    :data:`~ddp_notebook.wire.protocol.SAID` when the debugger lets the rank go on)."""
+
+    def __init__(self):
+        super().__init__()
+        self._text: list[str] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._text.append(text)
+        return len(text)
+
+    def take(self) -> tuple[str, str]:
+        """(what was written up to its last newline, the unended rest), forgetting both."""
+        text, self._text = "".join(self._text), []
+        head, newline, tail = text.rpartition("\n")
+        return head + newline, tail
+
+    def send_rest(self) -> None:
+        said, prompt = self.take()
+        if said or prompt:
+            _message(protocol.SAID, {"text": said + prompt})
+
+
+def install(send: Callable[[str, dict], None] | None, receive_answer: Callable[[], dict] | None) -> None:
+    """Make the rank's keyboard the notebook's: ``sys.stdin``, ``input()``, ``breakpoint()``, ``pdb.set_trace()``
+    and ``torch.distributed.breakpoint()`` (when torch.distributed is imported).  ``send(kind, body)`` sends now;
+    ``receive_answer()`` waits for the notebook's answer (None, None: no connection, reading fails saying so)."""
+    global _send, _receive_answer
+    _send, _receive_answer = send, receive_answer
+    sys.stdin = Keyboard()
+    builtins.input = ask
+    sys.breakpointhook = set_trace
+    pdb.set_trace = set_trace
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and hasattr(dist, "_make_distributed_pdb"):
+        dist._make_distributed_pdb = RankPdb  # torch's own opens /dev/stdin
+
+
+def ask(prompt: object = "") -> str:
+    """``input()`` in a rank: the prompt, labelled with the rank, is shown in the notebook's input box."""
+    line = ask_line(f"{_label()} {prompt}")
+    if not line:
+        raise EOFError
+    return line[:-1] if line.endswith("\n") else line
+
+
+def ask_line(prompt: str, said: str = "") -> str:
+    """The line typed in the notebook after ``prompt`` (``said`` is shown above it), with its newline; "" at the
+    end of input.  Raises RuntimeError with the notebook's reason when no one can answer."""
+    if _send is None or _receive_answer is None:
+        raise RuntimeError(NO_CHANNEL)
+    for stream in (sys.stdout, sys.stderr):  # what the rank printed first is shown first
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    _message(protocol.PROMPT, {"prompt": prompt, "said": said})
+    answer = _receive_answer()
+    if "refused" in answer:
+        raise RuntimeError(f"{_label()[1:-1]} asked for input ({prompt.strip()!r}), but {answer['refused']}")
+    if answer.get("eof"):
+        return ""
+    return answer["text"] + "\n"
+
+
+def _message(kind: str, body: dict) -> None:
+    ctx = context.current()
+    _send(kind, {"task": ctx.extra.get("task", 0) if ctx is not None else 0, **body})
+
+
+def _label() -> str:
+    ctx = context.current()
+    return f"[rank {ctx.rank}]" if ctx is not None else "[rank ?]"
+
+
+def _ours(frame) -> bool:
+    """A frame of ddp_notebook's own (the task's machinery), or of the interpreter's start above it."""
+    filename = frame.f_code.co_filename
+    return filename.startswith(_PACKAGE_DIR + os.sep) or filename.startswith("<frozen ")
+
+
+class RankPdb(pdb.Pdb):
+    """pdb in a rank, through the notebook: ``(Pdb rank K)`` prompts, the cell's own lines, no frames of the
+    machinery that runs the task (stepping out of the task lets the rank go on)."""
+
+    def __init__(self):
+        self._text = NotebookText()
+        super().__init__(stdin=Keyboard(self._text), stdout=self._text, skip=["ddp_notebook.*"], nosigint=True,
+                         readrc=False)
+        ctx = context.current()
+        self.prompt = f"(Pdb rank {ctx.rank if ctx is not None else '?'}) "
+        self._machinery: set = set()  # frames of the task's machinery, above the user's code
+
+    def interaction(self, frame, traceback) -> None:
+        try:
+            super().interaction(frame, traceback)
+        finally:
+            self._text.send_rest()
+
+    def get_stack(self, frame, traceback):
+        stack, index = super().get_stack(frame, traceback)
+        first = next((i for i, (f, _) in enumerate(stack[:index + 1]) if not _ours(f)), 0)  # the user's code
+        self._machinery.update(f for f, _ in stack[:first])
+        return stack[first:], index - first
+
+    def stop_here(self, frame) -> bool:
+        if frame in self._machinery:  # the user's code has returned to the task that ran it: nothing to step
+            self.set_continue()
+            return False
+        return super().stop_here(frame)
+
+    def format_stack_entry(self, frame_lineno, lprefix: str = ": ") -> str:
+        entry = super().format_stack_entry(frame_lineno, lprefix)
+        frame, lineno = frame_lineno
+        label = payload.traceback_labels().get(frame.f_code.co_filename)
+        if label is None:
+            return entry
+        where = f"{self.canonic(frame.f_code.co_filename)}({lineno!r})"
+        return entry.replace(where, f"{label}, line {lineno}, in ", 1)
+
+
+def set_trace(*args, header: str | None = None, **kwargs) -> None:
+    """``breakpoint()`` and ``pdb.set_trace()`` in a rank: stop in the caller, in :class:`RankPdb`."""
+    debugger = RankPdb()
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(sys._getframe().f_back)
+
+
+def post_mortem(exc: BaseException) -> None:
+    """The debugger at ``exc``'s failure, its traceback walked with ``u``/``d`` (the task's machinery left out);
+    returns when the user quits or continues."""
+    debugger = RankPdb()
+    debugger.reset()
+    try:
+        debugger.interaction(None, exc.__traceback__)
+    except bdb.BdbQuit:
+        pass
+
+
+def leave_out_debugger(exc: BaseException) -> None:
+    """Cut ``exc``'s traceback where it enters the debugger's own frames (bdb's trace function): a failure at a
+    prompt (a refusal, an interrupt) shows the user's line, not pdb's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        if tb.tb_next.tb_frame.f_code.co_filename == bdb.__file__:
+            tb.tb_next = None
+            return
+        tb = tb.tb_next
+
+
+def quit_by_debugger(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user quitting a rank's debugger (``q``, the end of input)."""
+    return isinstance(exc, bdb.BdbQuit)

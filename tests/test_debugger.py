@@ -1,0 +1,161 @@
+"""Debugging a rank from the notebook, as a person at a Jupyter front end does it: ``breakpoint()``, ``pdb``,
+``torch.distributed.breakpoint()`` and ``input()`` in a rank prompt in the notebook's input box (the kernel's
+``input_request``, answered here by a kernel client), one rank at a time; ``q``, the end of input and an interrupt
+at the prompt end the job with nothing left; a front end without stdin makes the prompt fail at once."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nbrun import gone, kernel, run_answering
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.kernel]
+
+SETUP = "%load_ext ddp_notebook"
+PIDS = re.compile(r"PID (\d+)")
+
+
+def pids(told: str) -> set[int]:
+    return {int(p) for p in PIDS.findall(told)}
+
+
+@pytest.fixture(scope="module")
+def kc():
+    with kernel(SETUP) as (km, client):
+        client.km = km
+        yield client
+
+
+def test_pdb_in_rank_1_shows_its_values_steps_and_goes_on_past_output_0(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2 --output 0
+x = 10 + rank
+if rank == 1:
+    breakpoint()
+    y = x * 2
+print("done", rank)
+""", ["p x", "w", "n", "p y", "c"])
+    assert reply["status"] == "ok", told
+    assert prompts == ["(Pdb rank 1) "] * 5
+    # pdb's own output reaches the notebook although --output 0 hides rank 1's prints
+    assert re.search(r"> Cell In\[\d+\], line 5, in <module>\(\)\n-> y = x \* 2\n11\n", told), told
+    assert "\n22\n" in told and "line 6, in <module>()\n-> print(\"done\", rank)" in told
+    assert "[rank 0] done 0" in told and "[rank 1] done" not in told
+    assert "ddp_notebook" not in told.split("11\n", 1)[1].split("22\n")[0]  # w: the cell's frame, no machinery
+
+
+def test_input_in_a_rank_gets_the_line_typed_in_the_notebook(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2
+lr = float(input("learning rate? ")) if rank == 1 else None
+print("lr", rank, lr)
+""", ["0.25"])
+    assert reply["status"] == "ok", told
+    assert prompts == ["[rank 1] learning rate? "]
+    assert "[rank 1] lr 1 0.25" in told and "[rank 0] lr 0 None" in told
+    assert "learning rate?" not in told  # the prompt is in the input box, not half-written in the rank's output
+
+
+def test_launch_from_the_notebook_asks_there_too(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """import ddp_notebook, pdb
+def ask():
+    import os
+    value = int(os.environ["RANK"]) * 100
+    if value:
+        pdb.set_trace()
+    return value
+print(ddp_notebook.launch(ask, cpus=2))
+""", ["p value + 1", "c"])
+    assert reply["status"] == "ok", told
+    assert prompts == ["(Pdb rank 1) "] * 2
+    assert "\n101\n" in told and "[0, 100]" in told
+
+
+def test_dist_breakpoint_up_reaches_the_cell_and_every_rank_goes_on(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2
+import torch.distributed as dist
+secret = 7 * (rank + 1)
+dist.breakpoint(rank=1)
+print("after", rank)
+""", ["up", "p secret", "c"])
+    assert reply["status"] == "ok", told
+    assert prompts == ["(Pdb rank 1) "] * 3
+    assert re.search(r"> Cell In\[\d+\], line 4, in <module>\(\)\n-> dist.breakpoint\(rank=1\)\n14\n", told), told
+    assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
+
+
+def test_two_ranks_at_breakpoints_are_asked_one_at_a_time(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2
+mine = ("me", rank)
+breakpoint()
+print("after", rank)
+""", ["p mine", "c", "p mine", "c"])
+    assert reply["status"] == "ok", told
+    first, second = prompts[0], prompts[2]
+    assert prompts == [first, first, second, second] and {first, second} == {"(Pdb rank 0) ", "(Pdb rank 1) "}
+    first_rank = int(first[10])
+    shown = re.findall(r"\('me', (\d)\)", told)
+    assert shown == [str(first_rank), str(1 - first_rank)]  # each rank's own value, in the order they asked
+    assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
+
+
+BREAK_THEN_WAIT = """%%ddp --cpus 2
+import os
+import torch.distributed as dist
+print("PID", os.getpid(), flush=True)
+if rank == 1:
+    breakpoint()
+dist.barrier()
+print("after", rank)
+"""
+
+
+@pytest.mark.parametrize("leave", ["q", "EOF", "interrupt"])
+def test_quitting_or_interrupting_at_the_prompt_stops_the_job_and_leaves_nothing(kc, leave, no_leftovers):
+    answer = (lambda prompt: kc.km.interrupt_kernel()) if leave == "interrupt" else leave
+    reply, told, prompts = run_answering(kc, BREAK_THEN_WAIT, [answer])
+    assert reply["status"] == "error"
+    assert prompts == ["(Pdb rank 1) "]
+    how = "an interrupt at the prompt of rank 1 (the debugger)" if leave == "interrupt" else \
+        "quitting the debugger of rank 1"
+    assert f"was stopped by {how} before it ended" in told, told
+    assert gone(pids(told), within=10)  # rank 0 waited in the barrier: stopped too
+    reply, told, _ = run_answering(kc, "%%ddp --cpus 2\nprint('next', rank)", [])
+    assert reply["status"] == "ok" and "[rank 1] next 1" in told
+
+
+def test_a_front_end_without_stdin_fails_the_prompt_at_once_saying_why(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, BREAK_THEN_WAIT, [], allow_stdin=False, timeout=60)
+    assert reply["status"] == "error" and prompts == []
+    assert "rank 1 failed: RuntimeError: rank 1 asked for input ('(Pdb rank 1)'), but this front end takes no " \
+           "input (allow_stdin is off: nbconvert, papermill" in told, told
+    assert "bdb.py" not in told  # the traceback ends at the cell's line
+    assert gone(pids(told), within=10)
+
+
+def test_a_background_job_refuses_prompts_saying_why(kc, no_leftovers):
+    reply, told, _ = run_answering(kc, """%%ddp --cpus 2 --background
+x = input("never? ") if rank == 1 else 0
+""", [])
+    assert reply["status"] == "ok"
+    reply, told, prompts = run_answering(kc, """
+from ddp_notebook import last_job
+try:
+    last_job().wait(60)
+except Exception as exc:
+    print("ERROR", exc)
+""", [])
+    assert prompts == []
+    assert re.search(r"rank 1 asked for input \('\[rank 1\] never\?'\), but job #\d+ runs in the background and its "
+                     r"cell has returned, so no input box can reach the notebook", told), told
+
+
+def test_on_a_warm_pool_an_interrupt_at_the_prompt_leaves_the_pool_usable(no_leftovers):
+    with kernel(SETUP + "\n%ddp_start --cpus 2") as (km, client):
+        reply, told, prompts = run_answering(client, "%%ddp\nkept = 5\nif rank == 0:\n    breakpoint()\n",
+                                             [lambda prompt: km.interrupt_kernel()])
+        assert reply["status"] == "error" and prompts == ["(Pdb rank 0) "]
+        assert "was stopped by an interrupt at the prompt of rank 0 (the debugger)" in told, told
+        reply, told, _ = run_answering(client, "%%ddp\nimport torch.distributed as dist\ndist.barrier()\n"
+                                               "print('pool', rank)", [])
+        assert reply["status"] == "ok" and "[rank 0] pool 0" in told and "[rank 1] pool 1" in told, told
+        run_answering(client, "%ddp_stop", [])

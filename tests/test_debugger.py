@@ -28,7 +28,7 @@ def kc():
 
 
 def test_pdb_in_rank_1_shows_its_values_steps_and_goes_on_past_output_0(kc, no_leftovers):
-    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2 --output 0
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2 --output 0 --timeout 90
 x = 10 + rank
 if rank == 1:
     breakpoint()
@@ -41,6 +41,8 @@ print("done", rank)
     assert re.search(r"> Cell In\[\d+\], line 5, in <module>\(\)\n-> y = x \* 2\n11\n", told), told
     assert "\n22\n" in told and "line 6, in <module>()\n-> print(\"done\", rank)" in told
     assert "[rank 0] done 0" in told and "[rank 1] done" not in told
+    assert told.count("ddp_notebook: while rank 1 waits at its prompt, ranks that wait for it in a collective give "
+                      "up 90 s after they began (the process group's timeout") == 1
     assert "ddp_notebook" not in told.split("11\n", 1)[1].split("22\n")[0]  # w: the cell's frame, no machinery
 
 
@@ -81,6 +83,7 @@ print("after", rank)
     assert prompts == ["(Pdb rank 1) "] * 3
     assert re.search(r"> Cell In\[\d+\], line 4, in <module>\(\)\n-> dist.breakpoint\(rank=1\)\n14\n", told), told
     assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
+    assert "give up" not in told  # torch's breakpoint gave every rank an hour
 
 
 def test_two_ranks_at_breakpoints_are_asked_one_at_a_time(kc, no_leftovers):

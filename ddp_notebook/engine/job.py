@@ -32,6 +32,7 @@ from .spec import JobSpec
 
 log = logging.getLogger("ddp_notebook")
 Listener = Callable[["Job", str, int, dict], None]
+DEBUG_WAIT_S = 3600  # a process-group timeout this short is told at a rank's first prompt
 WATCHDOG_TAIL = 64 << 10  # how much of a rank's last output is searched for the NCCL watchdog's timeout message
 
 _last_job: "Job | None" = None
@@ -161,6 +162,7 @@ class Job(EventSource):
         self.prompter: Callable[[str], str] | None = None
         self._prompts: collections.deque = collections.deque()  # (rank, PROMPT body), in the order they came
         self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
+        self._told_limit = False  # the user was told how long the other ranks wait for a rank at its prompt
 
     @property
     def pids(self) -> dict[int, int]:
@@ -364,6 +366,12 @@ class Job(EventSource):
         rank, body = self._prompts.popleft()
         self.group.pump(0)  # what the rank printed before it asked is shown first
         self.relay.flush()
+        limit = body.get("group_timeout")
+        if limit is not None and limit < DEBUG_WAIT_S and self.spec.world_size > 1 and not self._told_limit:
+            self._told_limit = True
+            print(f"ddp_notebook: while rank {rank} waits at its prompt, ranks that wait for it in a collective give "
+                  f"up {limit:g} s after they began (the process group's timeout; torch.distributed.breakpoint() "
+                  f"gives every rank an hour)", file=sys.stderr, flush=True)
         if body.get("said"):
             sys.stdout.write(body["said"])
             sys.stdout.flush()

@@ -113,13 +113,26 @@ def ask_line(prompt: str, said: str = "") -> str:
             stream.flush()
         except (OSError, ValueError):
             pass
-    _message(protocol.PROMPT, {"prompt": prompt, "said": said})
+    _message(protocol.PROMPT, {"prompt": prompt, "said": said, "group_timeout": _group_timeout()})
     answer = _receive_answer()
     if "refused" in answer:
         raise RuntimeError(f"{_label()[1:-1]} asked for input ({prompt.strip()!r}), but {answer['refused']}")
     if answer.get("eof"):
         return ""
     return answer["text"] + "\n"
+
+
+def _group_timeout() -> float | None:
+    """The process group's timeout in seconds (how long the other ranks wait for this one in a collective), or
+    None without a group."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized():
+            return None
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(context.current().device or "cpu").options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - torch's private names moved: the notebook says nothing of it
+        return None
 
 
 def _message(kind: str, body: dict) -> None:

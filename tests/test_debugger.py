@@ -20,6 +20,12 @@ def pids(told: str) -> set[int]:
     return {int(p) for p in PIDS.findall(told)}
 
 
+def debugger_text(told: str) -> str:
+    """What the debugger wrote: without the ranks' own lines and ddp_notebook's notes, which other ranks' output
+    may put anywhere between."""
+    return "".join(line for line in told.splitlines(True) if not line.startswith(("[rank ", "ddp_notebook: ")))
+
+
 @pytest.fixture(scope="module")
 def kc():
     with kernel(SETUP) as (km, client):
@@ -38,12 +44,13 @@ print("done", rank)
     assert reply["status"] == "ok", told
     assert prompts == ["(Pdb rank 1) "] * 5
     # pdb's own output reaches the notebook although --output 0 hides rank 1's prints
-    assert re.search(r"> Cell In\[\d+\], line 5, in <module>\(\)\n-> y = x \* 2\n11\n", told), told
+    assert re.search(r"> Cell In\[\d+\], line 5, in <module>\(\)\n-> y = x \* 2\n11\n", debugger_text(told)), told
     assert "\n22\n" in told and "line 6, in <module>()\n-> print(\"done\", rank)" in told
     assert "[rank 0] done 0" in told and "[rank 1] done" not in told
     assert told.count("ddp_notebook: while rank 1 waits at its prompt, ranks that wait for it in a collective give "
                       "up 90 s after they began (the process group's timeout") == 1
-    assert "ddp_notebook" not in told.split("11\n", 1)[1].split("22\n")[0]  # w: the cell's frame, no machinery
+    shown_by_w = debugger_text(told).split("11\n", 1)[1].split("> Cell In")[1]
+    assert "ddp_notebook" not in shown_by_w and "worker" not in shown_by_w  # w: the cell's frame, no machinery
 
 
 def test_input_in_a_rank_gets_the_line_typed_in_the_notebook(kc, no_leftovers):
@@ -81,7 +88,8 @@ print("after", rank)
 """, ["up", "p secret", "c"])
     assert reply["status"] == "ok", told
     assert prompts == ["(Pdb rank 1) "] * 3
-    assert re.search(r"> Cell In\[\d+\], line 4, in <module>\(\)\n-> dist.breakpoint\(rank=1\)\n14\n", told), told
+    assert re.search(r"> Cell In\[\d+\], line 4, in <module>\(\)\n-> dist.breakpoint\(rank=1\)\n14\n",
+                     debugger_text(told)), told
     assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
     assert "give up" not in told  # torch's breakpoint gave every rank an hour
 
@@ -161,4 +169,95 @@ def test_on_a_warm_pool_an_interrupt_at_the_prompt_leaves_the_pool_usable(no_lef
         reply, told, _ = run_answering(client, "%%ddp\nimport torch.distributed as dist\ndist.barrier()\n"
                                                "print('pool', rank)", [])
         assert reply["status"] == "ok" and "[rank 0] pool 0" in told and "[rank 1] pool 1" in told, told
+        run_answering(client, "%ddp_stop", [])
+
+
+FAILING = """%%ddp --cpus 2{flags}
+import os
+print("PID", os.getpid(), flush=True)
+def inner(v):
+    local_value = v * 3
+    raise ValueError("bad " + str(v))
+if rank == 1:
+    inner(41)
+import torch.distributed as dist
+dist.barrier()
+"""
+
+
+def test_ddp_debug_after_a_failing_debug_cell_walks_the_failing_ranks_traceback(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, FAILING.format(flags=" --debug"), [])
+    assert reply["status"] == "error" and prompts == []
+    assert "rank 1 failed: ValueError: bad 41" in told
+    assert "ddp_notebook: rank 1 waits at its failure: %ddp_debug opens the debugger there" in told
+    ranks = pids(told)
+    reply, told, prompts = run_answering(kc, "%ddp_debug", ["p local_value", "u", "p rank", "q"])
+    assert told.startswith("ddp_notebook: rank 1 of job #")
+    assert reply["status"] == "ok", told
+    assert prompts == ["(Pdb rank 1) "] * 4
+    assert re.search(r"> Cell In\[\d+\], line 6, in inner\(\)\n-> raise ValueError\(\"bad \" \+ str\(v\)\)\n123\n"
+                     r"> Cell In\[\d+\], line 8, in <module>\(\)\n-> inner\(41\)\n1\n", debugger_text(told)), told
+    assert "give up" not in told  # no rank waits for it any more
+    assert gone(ranks, within=10)  # quitting ended the rank kept for the debugger
+    reply, told, _ = run_answering(kc, "%ddp_debug", [])
+    assert "no failed rank to debug: run the cell again with %%ddp --debug" in told
+
+
+def test_without_debug_the_failing_rank_is_not_kept(kc, no_leftovers):
+    reply, told, _ = run_answering(kc, FAILING.format(flags=""), [])
+    assert reply["status"] == "error" and "waits at its failure" not in told
+    assert gone(pids(told), within=10)
+    reply, told, _ = run_answering(kc, "%ddp_debug", [])
+    assert "no failed rank to debug" in told
+
+
+def test_the_next_job_lets_go_of_a_rank_kept_for_the_debugger(kc, no_leftovers):
+    reply, told, _ = run_answering(kc, FAILING.format(flags=" --debug"), [])
+    kept = pids(told)
+    reply, told, _ = run_answering(kc, "%%ddp --cpus 2\nprint('next', rank)", [])
+    assert reply["status"] == "ok" and gone(kept, within=10)
+    reply, told, _ = run_answering(kc, "%ddp_debug", [])
+    assert "no failed rank to debug" in told
+
+
+def test_launch_debug_true_keeps_the_failing_rank_for_the_debugger(kc, no_leftovers):
+    reply, told, _ = run_answering(kc, """import ddp_notebook
+def train():
+    import os
+    print("PID", os.getpid(), flush=True)
+    step = int(os.environ["RANK"]) + 5
+    if step == 6:
+        raise RuntimeError("diverged")
+try:
+    ddp_notebook.launch(train, cpus=2, debug=True)
+except ddp_notebook.RankError as exc:
+    print("FAILED", exc.rank)
+""", [])
+    assert "FAILED 1" in told, told
+    reply, told2, prompts = run_answering(kc, "ddp_notebook.last_job().debug()", ["p step", "c"])
+    assert reply["status"] == "ok" and prompts == ["(Pdb rank 1) "] * 2
+    assert "\n6\n" in told2
+    assert gone(pids(told), within=10)
+
+
+def test_debug_refuses_a_job_on_several_hosts_before_anything_starts(kc):
+    reply, told, _ = run_answering(kc, "%%ddp --cpus 1 --nnodes 2 --master-addr 127.0.0.1 --port 29999 --debug\n"
+                                       "print(rank)", [])
+    assert reply["status"] == "error"
+    assert "--debug keeps a failing rank of this host for %ddp_debug; the ranks of a job on several hosts " \
+           "(--nnodes) or of a Slurm job (--executor) end with their task" in told, told
+
+
+def test_a_warm_pools_last_failed_cell_can_be_debugged_without_debug(no_leftovers):
+    with kernel(SETUP + "\n%ddp_start --cpus 2") as (km, client):
+        reply, told, _ = run_answering(client, "%%ddp\nnumbers = [rank] * 3\nraise KeyError(f'missing {rank}')", [])
+        assert reply["status"] == "error" and "KeyError" in told
+        reply, told, prompts = run_answering(client, "%ddp_debug", ["p numbers", "c"])
+        assert reply["status"] == "ok", told
+        rank = int(prompts[0][10])
+        assert prompts == [f"(Pdb rank {rank}) "] * 2 and f"[{rank}, {rank}, {rank}]" in told
+        reply, told, _ = run_answering(client, "%%ddp\nprint('pool', rank, numbers)", [])
+        assert reply["status"] == "ok" and "[rank 1] pool 1 [1, 1, 1]" in told, told
+        reply, told, _ = run_answering(client, "%ddp_debug", [])
+        assert "no failed rank to debug" in told
         run_answering(client, "%ddp_stop", [])

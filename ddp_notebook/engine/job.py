@@ -36,6 +36,7 @@ DEBUG_WAIT_S = 3600  # a process-group timeout this short is told at a rank's fi
 WATCHDOG_TAIL = 64 << 10  # how much of a rank's last output is searched for the NCCL watchdog's timeout message
 
 _last_job: "Job | None" = None
+_kept: "Job | None" = None  # the failed job whose failing rank waits for the debugger (Job.debug)
 # For %ddp_jobs. Weak: a running job is held by its thread, an ended one only by whoever still uses it.
 _background_jobs: list["weakref.ref[Job]"] = []
 # Called with each job as it starts, before its ranks: where views attach their listeners.
@@ -163,6 +164,10 @@ class Job(EventSource):
         self._prompts: collections.deque = collections.deque()  # (rank, PROMPT body), in the order they came
         self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
         self._told_limit = False  # the user was told how long the other ranks wait for a rank at its prompt
+        self._debugging: int | None = None  # the rank in its debugger: the others' prompts wait until it goes on
+        self.keep_failed_rank = False  # --debug: the failing rank of the job's own ranks stays for debug()
+        self.kept_rank: int | None = None  # the failing rank that holds its failure for debug()
+        self._debugged = False
 
     @property
     def pids(self) -> dict[int, int]:
@@ -226,6 +231,8 @@ class Job(EventSource):
     def start(self) -> "Job":
         global _last_job
         _last_job = self
+        if _kept is not None:
+            _kept.let_go_of_failure()  # a warm pool's ranks forget it as the next task starts; others end now
         spec = self.spec
         self.started_at = time.time()
         for observe in list(_job_observers):
@@ -327,6 +334,8 @@ class Job(EventSource):
             return  # a late word about an earlier cell of a warm pool
         if kind == protocol.STOPPABLE:
             self.stoppable.add(rank)
+        if kind in (protocol.RESULT, protocol.FAILED) and self._debugging == rank:
+            self._debugging = None
         if kind == protocol.RESULT and rank in self.targets:
             if body.get("stopped"):
                 self._stopped_where[rank] = body["stopped"]
@@ -346,10 +355,15 @@ class Job(EventSource):
                 self._answer(rank, {"refused": self._no_prompter_why()})
             else:
                 self._prompts.append((rank, body))
+        elif kind == protocol.DEBUGGED and rank == self.kept_rank:
+            self._debugged = True
         elif kind == protocol.SAID:
-            self.relay.flush()
-            sys.stdout.write(body["text"])
-            sys.stdout.flush()
+            if self._debugging == rank:
+                self._debugging = None
+            if body["text"]:
+                self.relay.flush()
+                sys.stdout.write(body["text"])
+                sys.stdout.flush()
         self.emit(kind, rank, body)
 
     def _no_prompter_why(self) -> str:
@@ -360,10 +374,20 @@ class Job(EventSource):
                    f"reach the notebook (run the cell in the foreground to debug it)"
         return f"nothing answers the prompts of job #{self.task_id}"
 
-    def _answer_prompt(self) -> None:
-        """Ask the oldest prompt of a rank in the notebook (one at a time, in the order they came) and send the
-        answer.  An interrupt at the prompt stops the job."""
-        rank, body = self._prompts.popleft()
+    def _answer_prompts(self) -> None:
+        """Ask the ranks' prompts in the notebook, one at a time in the order they came, a rank in its debugger
+        alone until it goes on; send the answers.  An interrupt at a prompt stops the job."""
+        while self._prompts and not self._stop_requested:
+            waiting = [i for i, (rank, _) in enumerate(self._prompts) if self._debugging in (None, rank)]
+            if not waiting:
+                return
+            rank, body = self._prompts[waiting[0]]
+            del self._prompts[waiting[0]]
+            if body.get("debugger"):
+                self._debugging = rank
+            self._answer_prompt(rank, body)
+
+    def _answer_prompt(self, rank: int, body: dict) -> None:
         self.group.pump(0)  # what the rank printed before it asked is shown first
         self.relay.flush()
         limit = body.get("group_timeout")
@@ -407,6 +431,8 @@ class Job(EventSource):
             else:
                 self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
                                           "exit"))
+        if self._debugging == rank:
+            self._debugging = None
         self.emit(protocol.EXITED, rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
@@ -531,8 +557,7 @@ class Job(EventSource):
             if self._graceful_by is not None and self._stop_asked_at is None:
                 self._ask_to_stop(self._graceful_by)
             self._pump()
-            while self._prompts and not self._stop_requested:
-                self._answer_prompt()
+            self._answer_prompts()
         except KeyboardInterrupt:
             if self._stop_asked_at is None and self.stoppable:
                 self._ask_to_stop("the interrupt")
@@ -583,14 +608,66 @@ class Job(EventSource):
                 self._outcome = ("error", exc)
 
     def _finish(self) -> None:
-        """Let ranks exit cleanly on success; stop them at once on failure."""
+        """Let ranks exit cleanly on success; stop them at once on failure (with ``keep_failed_rank``, all but the
+        failing one, which waits for :meth:`debug`)."""
         self._finishing = True
+        failed = self._outcome[0] != "ok"
+        if failed:
+            self._keep_failure()
         if self._owns_group:
-            if self._outcome[0] == "ok":
+            if not failed:
                 self.group.shut_down()
+            elif self.kept_rank is not None:
+                self.group.signal([r for r in self.targets if r != self.kept_rank], signal.SIGKILL)
             else:
                 self.group.kill()
         self._end()
+
+    def _keep_failure(self) -> None:
+        """Where the failing rank reported a Python error and stays up (a warm pool's rank, or ``keep_failed_rank``
+        on ranks that serve tasks), it keeps its failure for :meth:`debug`."""
+        global _kept
+        error = self._outcome[1]
+        if not isinstance(error, RankError) or error.failure.kind != "user" or not hasattr(self.group, "signal") \
+                or self.spec.nnodes > 1 or self.spec.executor is not None:
+            return
+        if self._owns_group and not self.keep_failed_rank:
+            return
+        self.kept_rank = error.rank
+        _kept = self
+
+    def debug(self) -> None:
+        """Open the debugger post mortem in the rank kept at its failure (``%%ddp --debug``, ``launch(...,
+        debug=True)``, or a warm pool's last failed cell): its prompts are answered by :attr:`prompter`; ``u``
+        and ``d`` walk the rank's own traceback.  Returns when the user quits or continues; the job's own ranks
+        end then (a warm pool's rank goes back to the pool)."""
+        rank = self.kept_rank
+        if rank is None or self.group is None or rank not in self.group.alive:
+            self.let_go_of_failure()
+            raise RuntimeError(f"job #{self.task_id} has no rank kept at its failure any more (its ranks have "
+                               f"ended, or a warm pool ran another task or restarted them)")
+        self._debugged = False
+        self._prompts.clear()
+        self._stop_requested = False
+        self._told_limit = True  # (no rank waits for it any more)
+        self.group.send(rank, (protocol.DEBUG, {"task": self.task_id}))
+        try:
+            while not self._debugged and not self._stop_requested and rank in self.group.alive:
+                self.group.pump(0.1)
+                self._answer_prompts()
+        finally:
+            if not self._debugged and not self._owns_group:  # a pool's rank at its prompt: let it go on
+                self._answer(rank, {"eof": True})
+            self.let_go_of_failure()
+
+    def let_go_of_failure(self) -> None:
+        """Forget the rank kept at its failure; the job's own ranks end now."""
+        global _kept
+        if _kept is self:
+            _kept = None
+        if self.kept_rank is not None and self._owns_group and self.group is not None:
+            self.group.kill()
+        self.kept_rank = None
 
     def stop(self, timeout: float | None = 10.0, *, by: str = "job.stop()", now: bool = False) -> None:
         """Stop the job; its ``status`` becomes 'stopped'.
@@ -679,6 +756,11 @@ class Job(EventSource):
 def last_job() -> Job | None:
     """The most recently started job."""
     return _last_job
+
+
+def kept_failure() -> Job | None:
+    """The failed job whose failing rank waits for the debugger (:meth:`Job.debug`), if any."""
+    return _kept
 
 
 def background_jobs() -> list[Job]:

@@ -47,15 +47,15 @@ class Keyboard(io.TextIOBase):
         if self._echo is None:
             return ask_line(f"{_label()} ")
         said, prompt = self._echo.take()
-        return ask_line(prompt, said)
+        return ask_line(prompt, said, debugger=True)
 
     def read(self, size: int | None = -1) -> str:
         return self.readline()
 
 
 class NotebookText(io.TextIOBase):
-    """What a rank's debugger writes: kept until its next prompt, which carries it to the notebook (or sent as
-    :data:`~ddp_notebook.wire.protocol.SAID` when the debugger lets the rank go on)."""
+    """What a rank's debugger writes: kept until its next prompt, which carries it to the notebook (or
+    :data:`~ddp_notebook.wire.protocol.SAID` does, as the debugger lets the rank go on)."""
 
     def __init__(self):
         super().__init__()
@@ -74,10 +74,11 @@ class NotebookText(io.TextIOBase):
         head, newline, tail = text.rpartition("\n")
         return head + newline, tail
 
-    def send_rest(self) -> None:
+    def let_go(self) -> None:
+        """The debugger lets the rank go on: what it wrote since its last prompt goes to the notebook, which may
+        ask other ranks' prompts again."""
         said, prompt = self.take()
-        if said or prompt:
-            _message(protocol.SAID, {"text": said + prompt})
+        _message(protocol.SAID, {"text": said + prompt})
 
 
 def install(send: Callable[[str, dict], None] | None, receive_answer: Callable[[], dict] | None) -> None:
@@ -103,9 +104,10 @@ def ask(prompt: object = "") -> str:
     return line[:-1] if line.endswith("\n") else line
 
 
-def ask_line(prompt: str, said: str = "") -> str:
+def ask_line(prompt: str, said: str = "", debugger: bool = False) -> str:
     """The line typed in the notebook after ``prompt`` (``said`` is shown above it), with its newline; "" at the
-    end of input.  Raises RuntimeError with the notebook's reason when no one can answer."""
+    end of input.  Raises RuntimeError with the notebook's reason when no one can answer.  ``debugger``: the
+    notebook asks this rank alone until its debugger lets it go on (SAID)."""
     if _send is None or _receive_answer is None:
         raise RuntimeError(NO_CHANNEL)
     for stream in (sys.stdout, sys.stderr):  # what the rank printed first is shown first
@@ -113,7 +115,8 @@ def ask_line(prompt: str, said: str = "") -> str:
             stream.flush()
         except (OSError, ValueError):
             pass
-    _message(protocol.PROMPT, {"prompt": prompt, "said": said, "group_timeout": _group_timeout()})
+    _message(protocol.PROMPT, {"prompt": prompt, "said": said, "debugger": debugger,
+                               "group_timeout": _group_timeout()})
     answer = _receive_answer()
     if "refused" in answer:
         raise RuntimeError(f"{_label()[1:-1]} asked for input ({prompt.strip()!r}), but {answer['refused']}")
@@ -167,7 +170,7 @@ class RankPdb(pdb.Pdb):
         try:
             super().interaction(frame, traceback)
         finally:
-            self._text.send_rest()
+            self._text.let_go()
 
     def get_stack(self, frame, traceback):
         stack, index = super().get_stack(frame, traceback)
@@ -199,15 +202,32 @@ def set_trace(*args, header: str | None = None, **kwargs) -> None:
     debugger.set_trace(sys._getframe().f_back)
 
 
-def post_mortem(exc: BaseException) -> None:
-    """The debugger at ``exc``'s failure, its traceback walked with ``u``/``d`` (the task's machinery left out);
-    returns when the user quits or continues."""
-    debugger = RankPdb()
-    debugger.reset()
+_failure: tuple[int, BaseException] | None = None  # (task, exception): the failure kept for post-mortem debugging
+
+
+def keep_failure(task_id: int | None, exc: BaseException | None) -> None:
+    """Keep the task's failure for :func:`debug_failure` (its frames and their locals live on); None forgets it."""
+    global _failure
+    _failure = None if exc is None else (task_id, exc)
+
+
+def debug_failure(task_id: int) -> None:
+    """The debugger post mortem at the kept failure of task ``task_id``, its traceback walked with ``u``/``d``
+    (the task's machinery left out); then the notebook is told (DEBUGGED), whether the user quit or continued."""
     try:
-        debugger.interaction(None, exc.__traceback__)
-    except bdb.BdbQuit:
-        pass
+        if _failure is None or _failure[0] != task_id:
+            _message(protocol.SAID, {"text": f"{_label()[1:-1]} holds no failure of job #{task_id} to debug\n"})
+            return
+        debugger = RankPdb()
+        debugger.reset()
+        try:
+            debugger.interaction(None, _failure[1].__traceback__)
+        except bdb.BdbQuit:
+            pass
+        except RuntimeError as exc:  # refused: no one can answer
+            _message(protocol.SAID, {"text": f"{exc}\n"})
+    finally:
+        _message(protocol.DEBUGGED, {})
 
 
 def leave_out_debugger(exc: BaseException) -> None:

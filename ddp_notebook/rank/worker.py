@@ -330,6 +330,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     """
     task = None
     failure = None
+    debugging.keep_failure(None, None)  # (the last task's frames go)
     try:
         if interruptible is not None:
             interruptible.set()
@@ -362,6 +363,8 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         debugging.leave_out_debugger(exc)
         failure = failure_report(exc, payload.traceback_labels(), kind=kind)
         failure["task"] = task_id
+        if failure["kind"] == "user":
+            debugging.keep_failure(task_id, exc)  # for the debugger post mortem (DEBUG), until the next task
         if sender is not None:
             _report_failure(sender, failure)
     if sender is not None:
@@ -465,6 +468,9 @@ def serve(boot: dict) -> None:
             continue
         if kind == protocol.SYNC:
             _sync(ctx, sender, body, namespace)
+            continue
+        if kind == protocol.DEBUG:
+            debugging.debug_failure(body["task"])
             continue
         if kind != protocol.RUN:
             continue

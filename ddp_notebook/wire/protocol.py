@@ -34,8 +34,8 @@ BYE = "bye"  # {}: the rank is leaving
 FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
 STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())
 RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
-PROMPT = "prompt"  # {task, prompt, said}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output
-SAID = "said"  # {task, text}: what a rank's debugger wrote as it let the rank go on (shown whatever --output)
+PROMPT = "prompt"  # {task, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
+SAID = "said"  # {task, text}: the rank's debugger lets it go on; text: what it wrote since its last prompt (shown whatever --output)
 DEBUGGED = "debugged"  # {task}: the debugger opened after a failure (DEBUG) has ended; the rank waits for EXIT
 
 # What a job adds for its listeners

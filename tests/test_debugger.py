@@ -261,3 +261,34 @@ def test_a_warm_pools_last_failed_cell_can_be_debugged_without_debug(no_leftover
         reply, told, _ = run_answering(client, "%ddp_debug", [])
         assert "no failed rank to debug" in told
         run_answering(client, "%ddp_stop", [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_rank_on_another_node_prompts_in_the_notebook_over_the_channel(tmp_path, no_leftovers):
+    from test_torchrun import _agent, _free_port, _running, _stop
+
+    script, port = tmp_path / "job.py", _free_port()
+    log = open(tmp_path / "node1.log", "w+")
+    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
+                    "--master-port", port, script], tmp_path, log)
+    try:
+        with kernel(SETUP) as (km, client):
+            reply, told, prompts = run_answering(client, f"""%%ddp --nnodes 2 --master-addr 127.0.0.1 --port {port} --cpus 1 --export {script}
+value = 40 + rank
+if rank == 1:
+    breakpoint()
+import torch.distributed as dist
+dist.barrier()
+print("after", rank)
+""", ["p value", "c"], timeout=150)
+        code = node1.wait(60)
+    finally:
+        _stop([node1])
+        log.close()
+    assert reply["status"] == "ok", told
+    assert prompts == ["(Pdb rank 1) "] * 2
+    assert re.search(r"> Cell In\[\d+\], line 5, in <module>\(\)\n-> import torch.distributed as dist\n41\n",
+                     debugger_text(told)), told
+    assert "[rank 0] after 0" in told and code == 0
+    assert _running(str(script)) == []

@@ -194,3 +194,34 @@ def run_answering(kc, code: str, answers, timeout: int = 120, allow_stdin: bool 
                     told.append(_said(msg))
                     idle = idle or (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle")
     return reply, "".join(told), prompts
+
+
+def run_cells_answering(cells: list[str], answers: dict[int, list[str]], timeout: int = 120, cwd: str | None = None):
+    """:func:`run_cells`, where the cells of ``answers`` (by index) may ask for input: the front end allows stdin
+    for them and types their answers, in order, at each input request (nbclient itself never allows stdin)."""
+    import asyncio
+
+    class AnsweringClient(NotebookClient):
+        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+            typed = list(answers.get(cell_index, []))
+            if not typed:
+                return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+            self.kc.allow_stdin = True
+            typing = asyncio.ensure_future(self._type(typed))
+            try:
+                return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+            finally:
+                typing.cancel()
+                self.kc.allow_stdin = False
+
+        async def _type(self, typed: list[str]) -> None:
+            while typed:
+                msg = await self.kc.get_stdin_msg()
+                if msg["msg_type"] == "input_request":
+                    self.kc.input(typed.pop(0))
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = AnsweringClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                             resources={"metadata": {"path": cwd}} if cwd else {})
+    client.execute()
+    return nb, client

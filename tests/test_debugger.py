@@ -203,6 +203,16 @@ def test_ddp_debug_after_a_failing_debug_cell_walks_the_failing_ranks_traceback(
     assert "no failed rank to debug: run the cell again with %%ddp --debug" in told
 
 
+def test_ddp_debug_where_the_front_end_takes_no_input_fails_saying_why(kc, no_leftovers):
+    reply, told, _ = run_answering(kc, FAILING.format(flags=" --debug"), [])
+    kept = pids(told)
+    reply, told, prompts = run_answering(kc, "%ddp_debug", [], allow_stdin=False)
+    assert prompts == []
+    assert "UsageError: the debugger of rank 1 could not ask: this front end takes no input (allow_stdin is off" \
+        in told, told
+    assert gone(kept, within=10)
+
+
 def test_without_debug_the_failing_rank_is_not_kept(kc, no_leftovers):
     reply, told, _ = run_answering(kc, FAILING.format(flags=""), [])
     assert reply["status"] == "error" and "waits at its failure" not in told

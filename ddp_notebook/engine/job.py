@@ -649,6 +649,7 @@ class Job(EventSource):
         self._debugged = False
         self._prompts.clear()
         self._stop_requested = False
+        self._refusal = None
         self._told_limit = True  # (no rank waits for it any more)
         self.group.send(rank, (protocol.DEBUG, {"task": self.task_id}))
         try:
@@ -659,6 +660,8 @@ class Job(EventSource):
             if not self._debugged and not self._owns_group:  # a pool's rank at its prompt: let it go on
                 self._answer(rank, {"eof": True})
             self.let_go_of_failure()
+        if self._refusal is not None:
+            raise RuntimeError(f"the debugger of rank {rank} could not ask: {self._refusal}")
 
     def let_go_of_failure(self) -> None:
         """Forget the rank kept at its failure; the job's own ranks end now."""

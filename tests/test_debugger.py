@@ -53,6 +53,32 @@ print("done", rank)
     assert "ddp_notebook" not in shown_by_w and "worker" not in shown_by_w  # w: the cell's frame, no machinery
 
 
+def test_pdb_commands_list_step_display_return_interact_and_break_in_the_cells_lines(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2 --output 0
+def double(v):
+    w = v * 2
+    return w
+total = 0
+if rank == 1:
+    breakpoint()
+    total = double(total + 5)
+    total += 1
+print("total", rank, total)
+""", ["l", "s", "s", "display w", "n", "r", "pp {'w': w}", "interact", "print('inside', w)", "exit()", "b 9", "c",
+      "p total", "c"])
+    assert reply["status"] == "ok", told
+    assert prompts == ["(Pdb rank 1) "] * 8 + ["[rank 1] >>> "] * 2 + ["(Pdb rank 1) "] * 4
+    shown = debugger_text(told)
+    assert "  8  ->\t    total = double(total + 5)\n  9  \t    total += 1\n" in shown  # l: the cell's own lines
+    assert "--Call--\n> Cell In[" in shown and "line 3, in double()\n-> w = v * 2\n" in shown  # s, s
+    assert "display w: 10  [old: ** raised NameError" in shown  # display, n
+    assert "--Return--\n> Cell In[" in shown and "line 4, in double()->10\n" in shown  # r
+    assert "{'w': 10}\n*interactive*\ninside 10\n" in shown  # pp; interact's output reaches the notebook too
+    assert re.search(r"Breakpoint 1 at Cell In\[\d+\]:9\n> Cell In\[\d+\], line 9, in <module>\(\)\n-> total \+= 1"
+                     r"\n10\n", shown), shown  # b 9, c, p total
+    assert "[rank 0] total 0 0" in told
+
+
 def test_input_in_a_rank_gets_the_line_typed_in_the_notebook(kc, no_leftovers):
     reply, told, prompts = run_answering(kc, """%%ddp --cpus 2
 lr = float(input("learning rate? ")) if rank == 1 else None

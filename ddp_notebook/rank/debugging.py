@@ -52,6 +52,9 @@ class Keyboard(io.TextIOBase):
     def read(self, size: int | None = -1) -> str:
         return self.readline()
 
+    def close(self) -> None:
+        pass  # (exit() in pdb's interact closes sys.stdin: the rank's keyboard stays)
+
 
 class NotebookText(io.TextIOBase):
     """What a rank's debugger writes: kept until its next prompt, which carries it to the notebook (or
@@ -171,6 +174,21 @@ class RankPdb(pdb.Pdb):
             super().interaction(frame, traceback)
         finally:
             self._text.let_go()
+
+    def message(self, msg: str) -> None:
+        for filename, label in payload.traceback_labels().items():  # "Breakpoint 1 at Cell In[3]:9"
+            msg = msg.replace(filename, label)
+        super().message(msg)
+
+    def do_interact(self, arg):
+        streams = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = self.stdout  # what the interpreter shows goes to the notebook too
+        try:
+            return super().do_interact(arg)
+        except SystemExit:  # exit() leaves the interactive interpreter, not the rank
+            return None
+        finally:
+            sys.stdout, sys.stderr = streams
 
     def get_stack(self, frame, traceback):
         stack, index = super().get_stack(frame, traceback)

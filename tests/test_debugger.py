@@ -296,6 +296,15 @@ def test_a_warm_pools_last_failed_cell_can_be_debugged_without_debug(no_leftover
         assert reply["status"] == "ok" and "[rank 1] pool 1 [1, 1, 1]" in told, told
         reply, told, _ = run_answering(client, "%ddp_debug", [])
         assert "no failed rank to debug" in told
+        # an interrupt at the post-mortem prompt ends the debugger, and the pool's ranks go on serving cells
+        reply, told, _ = run_answering(client, "%%ddp\nraise KeyError(rank)", [])
+        assert reply["status"] == "error"
+        reply, told, prompts = run_answering(client, "%ddp_debug", [lambda prompt: km.interrupt_kernel()])
+        assert len(prompts) == 1 and reply["status"] == "error", told
+        assert re.search(r"UsageError: the debugger of rank \d was interrupted; the rank went back to the warm pool",
+                         told), told
+        reply, told, _ = run_answering(client, "%%ddp\nprint('still', rank, numbers)", [], timeout=60)
+        assert reply["status"] == "ok" and "[rank 1] still 1 [1, 1, 1]" in told, told
         run_answering(client, "%ddp_stop", [])
 
 
@@ -310,7 +319,8 @@ def test_a_rank_on_another_node_prompts_in_the_notebook_over_the_channel(tmp_pat
                     "--master-port", port, script], tmp_path, log)
     try:
         with kernel(SETUP) as (km, client):
-            reply, told, prompts = run_answering(client, f"""%%ddp --nnodes 2 --master-addr 127.0.0.1 --port {port} --cpus 1 --export {script}
+            flags = f"--nnodes 2 --master-addr 127.0.0.1 --port {port} --cpus 1 --export {script}"
+            reply, told, prompts = run_answering(client, f"""%%ddp {flags}
 value = 40 + rank
 if rank == 1:
     breakpoint()

@@ -165,6 +165,7 @@ class Job(EventSource):
         self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
         self._told_limit = False  # the user was told how long the other ranks wait for a rank at its prompt
         self._debugging: int | None = None  # the rank in its debugger: the others' prompts wait until it goes on
+        self._asking: dict | None = None  # the PROMPT asked in the notebook now (an interrupt leaves it unanswered)
         self.keep_failed_rank = False  # --debug: the failing rank of the job's own ranks stays for debug()
         self.kept_rank: int | None = None  # the failing rank that holds its failure for debug()
         self._debugged = False
@@ -271,6 +272,8 @@ class Job(EventSource):
             self.group.kill()
             self.group = None
         self._results, self._failures, self._exit_how = {}, {}, {}
+        self._prompts.clear()
+        self._debugging = None
         self._first_failure_at = None
         self._outcome = None
         self._finishing = False
@@ -352,7 +355,7 @@ class Job(EventSource):
                 self._stop_requested = True
         elif kind == protocol.PROMPT:
             if self.prompter is None:
-                self._answer(rank, {"refused": self._no_prompter_why()})
+                self._answer(rank, body, {"refused": self._no_prompter_why()})
             else:
                 self._prompts.append((rank, body))
         elif kind == protocol.DEBUGGED and rank == self.kept_rank:
@@ -360,10 +363,12 @@ class Job(EventSource):
         elif kind == protocol.SAID:
             if self._debugging == rank:
                 self._debugging = None
-            if body["text"]:
+            if body["text"] and self._thread is None:
                 self.relay.flush()
                 sys.stdout.write(body["text"])
                 sys.stdout.flush()
+            elif body["text"]:  # a background job's: under its own cell, with the rank's output
+                self.relay.feed(rank, "stdout", body["text"].encode())
         self.emit(kind, rank, body)
 
     def _no_prompter_why(self) -> str:
@@ -399,6 +404,7 @@ class Job(EventSource):
         if body.get("said"):
             sys.stdout.write(body["said"])
             sys.stdout.flush()
+        self._asking = body
         try:
             answer = {"text": self.prompter(body["prompt"])}
         except EOFError:
@@ -412,10 +418,11 @@ class Job(EventSource):
                 f"the notebook could not ask ({type(exc).__name__}: {exc})"
             self.prompter, self._refusal = None, why  # every later prompt is refused alike, at once
             answer = {"refused": why}
-        self._answer(rank, answer)
+        self._asking = None
+        self._answer(rank, body, answer)
 
-    def _answer(self, rank: int, answer: dict) -> None:
-        self.group.send(rank, (protocol.ANSWER, {"task": self.task_id, **answer}))
+    def _answer(self, rank: int, prompt: dict, answer: dict) -> None:
+        self.group.send(rank, (protocol.ANSWER, {"task": self.task_id, "id": prompt.get("id"), **answer}))
 
     def _on_exit(self, rank: int, code: int | None) -> None:
         if rank not in self._results and rank not in self._failures and self._outcome is None \
@@ -639,8 +646,8 @@ class Job(EventSource):
     def debug(self) -> None:
         """Open the debugger post mortem in the rank kept at its failure (``%%ddp --debug``, ``launch(...,
         debug=True)``, or a warm pool's last failed cell): its prompts are answered by :attr:`prompter`; ``u``
-        and ``d`` walk the rank's own traceback.  Returns when the user quits or continues; the job's own ranks
-        end then (a warm pool's rank goes back to the pool)."""
+        and ``d`` walk the rank's own traceback.  Returns when the user quits or continues (KeyboardInterrupt when
+        interrupted); the job's own ranks end then, a warm pool's rank goes back to the pool."""
         rank = self.kept_rank
         if rank is None or self.group is None or rank not in self.group.alive:
             self.let_go_of_failure()
@@ -649,19 +656,37 @@ class Job(EventSource):
         self._debugged = False
         self._prompts.clear()
         self._stop_requested = False
-        self._refusal = None
+        self._refusal = self._asking = None
         self._told_limit = True  # (no rank waits for it any more)
         self.group.send(rank, (protocol.DEBUG, {"task": self.task_id}))
         try:
             while not self._debugged and not self._stop_requested and rank in self.group.alive:
                 self.group.pump(0.1)
                 self._answer_prompts()
+        except KeyboardInterrupt:
+            self._stop_requested = True
+        interrupted = self._stop_requested and not self._debugged
+        try:
+            if interrupted and not self._owns_group:
+                self._leave_debugger(rank)
         finally:
-            if not self._debugged and not self._owns_group:  # a pool's rank at its prompt: let it go on
-                self._answer(rank, {"eof": True})
             self.let_go_of_failure()
+        if interrupted:
+            raise KeyboardInterrupt(f"the debugger of rank {rank} was interrupted; the rank "
+                                    f"{'has ended' if self._owns_group else 'went back to the warm pool'}")
         if self._refusal is not None:
             raise RuntimeError(f"the debugger of rank {rank} could not ask: {self._refusal}")
+
+    def _leave_debugger(self, rank: int) -> None:
+        """A warm pool's rank in the debugger post mortem, interrupted in the notebook: its prompts are refused
+        (the one asked, those waiting and those on their way) until it has left the debugger."""
+        self.prompter, self._refusal = None, "the debugger was interrupted in the notebook"
+        for body in ([self._asking] if self._asking is not None else []) + [body for _, body in self._prompts]:
+            self._answer(rank, body, {"refused": self._refusal})
+        self._prompts.clear()
+        deadline = time.monotonic() + self.grace
+        while not self._debugged and rank in self.group.alive and time.monotonic() < deadline:
+            self.group.pump(0.05)  # (a prompt arriving now is refused at once)
 
     def let_go_of_failure(self) -> None:
         """Forget the rank kept at its failure; the job's own ranks end now."""

@@ -443,7 +443,7 @@ class DDPMagics(Magics):
         job.prompter = prompting.ask_in_notebook
         try:
             job.debug()
-        except RuntimeError as exc:
+        except (RuntimeError, KeyboardInterrupt) as exc:
             raise UsageError(str(exc)) from None
 
     @line_magic

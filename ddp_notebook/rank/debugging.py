@@ -13,6 +13,7 @@ from __future__ import annotations
 import bdb
 import builtins
 import io
+import itertools
 import os
 import pdb
 import sys
@@ -27,6 +28,7 @@ NO_CHANNEL = ("input() in a rank: this rank has no connection to the notebook (i
 
 _send: Callable[[str, dict], None] | None = None  # sends a message to the notebook now
 _receive_answer: Callable[[], dict] | None = None  # waits for the notebook's ANSWER
+_prompts = itertools.count(1)  # each prompt's id, which its answer carries
 
 
 class Keyboard(io.TextIOBase):
@@ -118,9 +120,12 @@ def ask_line(prompt: str, said: str = "", debugger: bool = False) -> str:
             stream.flush()
         except (OSError, ValueError):
             pass
-    _message(protocol.PROMPT, {"prompt": prompt, "said": said, "debugger": debugger,
+    asked = next(_prompts)
+    _message(protocol.PROMPT, {"id": asked, "prompt": prompt, "said": said, "debugger": debugger,
                                "group_timeout": _group_timeout()})
     answer = _receive_answer()
+    while answer.get("id") != asked:  # (an answer to a prompt an interrupt ended)
+        answer = _receive_answer()
     if "refused" in answer:
         raise RuntimeError(f"{_label()[1:-1]} asked for input ({prompt.strip()!r}), but {answer['refused']}")
     if answer.get("eof"):

@@ -97,6 +97,10 @@ class Inbox:
         """The notebook's answer to this rank's prompt, waiting for it (an interrupt ends the wait).  What else
         arrives first: a stop counts at once, the rest waits for the task's end."""
         with self._reading:
+            for message in self._later:  # (read at a batch boundary of another thread before this wait)
+                if message[0] == protocol.ANSWER:
+                    self._later.remove(message)
+                    return message[1]
             while True:
                 self._conn.poll(None)  # (outside whole_message: the wait itself may be interrupted)
                 kind, body = self._receive()

@@ -18,7 +18,7 @@ RUN = "run"  # {task, data | path, seed, attempt, every_rank[, debug]}: load the
 SYNC = "sync"  # {task, timeout, check_timeout}: a warm pool's barrier and process-group check after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (the rank reads it there)
-ANSWER = "answer"  # {task, text | eof | refused}: the answer to a rank's PROMPT (refused: why no one can answer it)
+ANSWER = "answer"  # {task, id, text | eof | refused}: the answer to a rank's PROMPT id (refused: why no one can answer it)
 DEBUG = "debug"  # {task}: a rank kept at its failure (RUN's debug) opens the debugger post mortem there
 
 # A rank to the notebook
@@ -34,7 +34,7 @@ BYE = "bye"  # {}: the rank is leaving
 FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
 STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())
 RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
-PROMPT = "prompt"  # {task, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
+PROMPT = "prompt"  # {task, id, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
 SAID = "said"  # {task, text}: the rank's debugger lets it go on; text: what it wrote since its last prompt (shown whatever --output)
 DEBUGGED = "debugged"  # {task}: the debugger opened after a failure (DEBUG) has ended; the rank waits for EXIT
 

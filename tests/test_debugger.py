@@ -338,3 +338,24 @@ print("after", rank)
                      debugger_text(told)), told
     assert "[rank 0] after 0" in told and code == 0
     assert _running(str(script)) == []
+
+
+def test_a_breakpoint_in_a_dataloader_worker_fails_saying_why_and_the_rank_stays_reachable(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2
+from torch.utils.data import DataLoader, Dataset
+class Asking(Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        if rank == 1:
+            breakpoint()
+        return i
+try:
+    list(DataLoader(Asking(), num_workers=1))
+except Exception as exc:
+    print("caught", "only the rank itself can ask in the notebook; debug that code with num_workers=0" in str(exc))
+print("answer", rank, input("still reachable? ") if rank == 1 else None)
+""", ["yes"])
+    assert reply["status"] == "ok", told
+    assert prompts == ["[rank 1] still reachable? "]
+    assert "[rank 1] caught True" in told and "[rank 1] answer 1 yes" in told

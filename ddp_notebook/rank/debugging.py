@@ -29,6 +29,9 @@ NO_CHANNEL = ("input() in a rank: this rank has no connection to the notebook (i
 _send: Callable[[str, dict], None] | None = None  # sends a message to the notebook now
 _receive_answer: Callable[[], dict] | None = None  # waits for the notebook's ANSWER
 _prompts = itertools.count(1)  # each prompt's id, which its answer carries
+_rank_pid: int | None = None  # the rank's process: a child it forked (a DataLoader worker) shares its channel
+NOT_THE_RANK = ("input() in a process the rank started (a DataLoader worker, say): only the rank itself can ask in "
+                "the notebook; debug that code with num_workers=0")
 
 
 class Keyboard(io.TextIOBase):
@@ -90,8 +93,8 @@ def install(send: Callable[[str, dict], None] | None, receive_answer: Callable[[
     """Make the rank's keyboard the notebook's: ``sys.stdin``, ``input()``, ``breakpoint()``, ``pdb.set_trace()``
     and ``torch.distributed.breakpoint()`` (when torch.distributed is imported).  ``send(kind, body)`` sends now;
     ``receive_answer()`` waits for the notebook's answer (None, None: no connection, reading fails saying so)."""
-    global _send, _receive_answer
-    _send, _receive_answer = send, receive_answer
+    global _send, _receive_answer, _rank_pid
+    _send, _receive_answer, _rank_pid = send, receive_answer, os.getpid()
     sys.stdin = Keyboard()
     builtins.input = ask
     sys.breakpointhook = set_trace
@@ -115,6 +118,8 @@ def ask_line(prompt: str, said: str = "", debugger: bool = False) -> str:
     notebook asks this rank alone until its debugger lets it go on (SAID)."""
     if _send is None or _receive_answer is None:
         raise RuntimeError(NO_CHANNEL)
+    if os.getpid() != _rank_pid:  # its messages would break the rank's channel
+        raise RuntimeError(NOT_THE_RANK)
     for stream in (sys.stdout, sys.stderr):  # what the rank printed first is shown first
         try:
             stream.flush()
@@ -147,6 +152,8 @@ def _group_timeout() -> float | None:
 
 
 def _message(kind: str, body: dict) -> None:
+    if _send is None or os.getpid() != _rank_pid:
+        return  # no channel, or a child the rank forked: nothing of its may go on the rank's channel
     ctx = context.current()
     _send(kind, {"task": ctx.extra.get("task", 0) if ctx is not None else 0, **body})
 

@@ -142,7 +142,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
     if sender is not None:
         ctx.extra["task"] = notebook["task"]
         debugging.install(sender.send_now, answers.get)  # input() and pdb ask in the notebook
-    elif notebook is not None:
+    elif run.get("notebook") is not None:
         debugging.install(None, None)  # reporting through files: a prompt fails saying so
     if sender is not None:
         sender.send(protocol.READY, {})

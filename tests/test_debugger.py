@@ -387,3 +387,14 @@ def test_a_slurm_task_prompts_in_the_notebook_and_one_reporting_through_files_sa
         assert reply["status"] == "error" and prompts == []
         assert "RuntimeError: input() in a rank: this rank has no connection to the notebook (it reports through " \
                "files), so no prompt can reach anyone" in told, told
+
+
+def test_pythonbreakpoint_0_turns_breakpoint_off_in_the_ranks_as_in_python(kc, no_leftovers):
+    reply, told, prompts = run_answering(kc, """%%ddp --cpus 2
+import os
+os.environ["PYTHONBREAKPOINT"] = "0"
+breakpoint()
+print("went on", rank)
+""", [])
+    assert reply["status"] == "ok" and prompts == [], told
+    assert "[rank 0] went on 0" in told and "[rank 1] went on 1" in told

@@ -97,7 +97,7 @@ def install(send: Callable[[str, dict], None] | None, receive_answer: Callable[[
     _send, _receive_answer, _rank_pid = send, receive_answer, os.getpid()
     sys.stdin = Keyboard()
     builtins.input = ask
-    sys.breakpointhook = set_trace
+    sys.breakpointhook = _breakpoint
     pdb.set_trace = set_trace
     dist = sys.modules.get("torch.distributed")
     if dist is not None and hasattr(dist, "_make_distributed_pdb"):
@@ -224,11 +224,19 @@ class RankPdb(pdb.Pdb):
         return entry.replace(where, f"{label}, line {lineno}, in ", 1)
 
 
-def set_trace(*args, header: str | None = None, **kwargs) -> None:
-    """``breakpoint()`` and ``pdb.set_trace()`` in a rank: stop in the caller, in :class:`RankPdb`."""
+def set_trace(*, header: str | None = None) -> None:
+    """``pdb.set_trace()`` in a rank: stop in the caller, in :class:`RankPdb`."""
     debugger = RankPdb()
     if header is not None:
         debugger.message(header)
+    debugger.set_trace(sys._getframe().f_back)
+
+
+def _breakpoint(*args, **kwargs) -> None:
+    """``breakpoint()`` in a rank: as :func:`set_trace`; ``PYTHONBREAKPOINT=0`` turns it off, as in Python."""
+    if os.environ.get("PYTHONBREAKPOINT") == "0":
+        return
+    debugger = RankPdb()
     debugger.set_trace(sys._getframe().f_back)
 
 

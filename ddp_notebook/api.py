@@ -14,8 +14,8 @@ from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay
-from .notebook import prompting
 from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
+from .notebook import prompting
 from .wire import payload
 from .wire.errors import LaunchError
 

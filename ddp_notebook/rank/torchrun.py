@@ -287,7 +287,7 @@ def _watch_notebook(ctx: context.RankContext, conn, finished: threading.Event, n
     the rank's prompts (rank/debugging.py) go to ``answers``."""
     while True:
         try:
-            kind, body = conn.recv()  # (the notebook's only other word here is a graceful stop, unused)
+            kind, body = conn.recv()  # (nothing else the notebook says asks for anything here)
             if kind == protocol.ANSWER:
                 answers.put(body)
         except (EOFError, OSError):

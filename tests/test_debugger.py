@@ -398,3 +398,15 @@ print("went on", rank)
 """, [])
     assert reply["status"] == "ok" and prompts == [], told
     assert "[rank 0] went on 0" in told and "[rank 1] went on 1" in told
+
+
+def test_a_warm_pool_that_restarts_after_the_failure_has_no_rank_to_debug_and_says_so(no_leftovers):
+    with kernel(SETUP + "\n%ddp_start --cpus 2") as (km, client):
+        reply, told, _ = run_answering(client, FAILING.format(flags=" --debug").replace(" --cpus 2", ""), [])
+        assert reply["status"] == "error" and "rank 1 failed: ValueError: bad 41" in told
+        assert "waits at its failure" not in told  # rank 0 was left in the barrier: the pool restarted its ranks
+        reply, told, prompts = run_answering(client, "%ddp_debug", [])
+        assert prompts == [] and re.search(r"UsageError: job #\d+ has no rank kept at its failure any more \(its "
+                                           r"ranks have ended, or a warm pool ran another task or restarted them\)",
+                                           told), told
+        run_answering(client, "%ddp_stop", [])

@@ -339,7 +339,7 @@ class DDPMagics(Magics):
         except JobStopped as stopped:
             raise UsageError(str(stopped)) from None  # (one line: stopped from the debugger)
         except RankError:
-            if args.debug and job.kept_rank is not None:
+            if args.debug and job.kept_rank is not None and job.kept_rank in job.group.alive:
                 print(f"ddp_notebook: rank {job.kept_rank} waits at its failure: %ddp_debug opens the debugger "
                       f"there (the next job lets it go)", file=sys.stderr)
             raise

@@ -15,6 +15,7 @@ from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay
 from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
+from .notebook import prompting
 from .wire import payload
 from .wire.errors import LaunchError
 
@@ -24,7 +25,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
            nnodes: int = 1, master_addr: str | None = None, export: str | None = None, executor: Any = None,
            detach: bool = False, max_restarts: int = 0, log_dir: str | None = None, force: bool = False,
-           wait: float | None = None) -> Any:
+           wait: float | None = None, debug: bool = False) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -49,19 +50,30 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     GPUs are reserved for the job against every other ddp_notebook job on the machine.  ``gpus=N, wait=M`` waits
     up to M minutes (``math.inf``: no limit) for N GPUs free of reservations and load; ``force=True`` shares GPUs
     named by index that another job holds.
+
+    ``input()``, ``breakpoint()`` and pdb in a rank ask in the notebook (its input box), one rank at a time.
+    ``debug=True``: the first failing rank stays at its failure (the others are stopped); ``%ddp_debug`` (or
+    ``ddp_notebook.last_job().debug()``) then opens the debugger there.
     """
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
     if detach and executor is None:
         raise LaunchError("detach=True leaves a Slurm job running on its own: it goes with executor=")
+    if debug and (executor is not None or nnodes > 1):
+        raise LaunchError("debug=True keeps a failing rank of this host for the debugger; the ranks of a job on "
+                          "several hosts or of a Slurm job end with their task")
     warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
                 master_addr=master_addr, export=export, executor=executor, force=force, wait=wait)
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
     if detach:
         return submit_detached(spec, task)
-    job = start_job(prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
-                                max_restarts=max_restarts, log_dir=log_dir))
+    job = prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
+                      max_restarts=max_restarts, log_dir=log_dir)
+    if not background:
+        job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
+    job.keep_failed_rank = debug
+    start_job(job)
     return job.run_in_background() if background else job.result()
 
 

@@ -150,3 +150,78 @@ def gone(pids, within):
             return True
         time.sleep(0.05)
     return False
+
+
+def run_answering(kc, code: str, answers, timeout: int = 120, allow_stdin: bool = True):
+    """Run one cell as a person at the notebook would, answering each input request (``input_request``) with the
+    next of ``answers``: a line to type, or a callable (called with the prompt instead, e.g. to interrupt the
+    kernel).  Returns (the reply's content, what the cell printed and its traceback lines, the prompts asked)."""
+    import queue
+
+    answers = list(answers)
+    msg_id = kc.execute(code, allow_stdin=allow_stdin)
+    reply, told, prompts, idle = None, [], [], False
+    deadline = time.time() + timeout
+    while reply is None or not idle:
+        if time.time() > deadline:
+            raise TimeoutError(f"the cell did not end within {timeout} s; prompts so far: {prompts}; "
+                               f"printed: {''.join(told)[-2000:]}")
+        try:
+            msg = kc.get_stdin_msg(timeout=0.02)
+        except queue.Empty:
+            pass
+        else:
+            if msg["msg_type"] == "input_request":
+                prompts.append(msg["content"]["prompt"])
+                if not answers:
+                    raise AssertionError(f"an unexpected prompt {prompts[-1]!r}; printed: {''.join(told)}")
+                answer = answers.pop(0)
+                if callable(answer):
+                    answer(prompts[-1])
+                else:
+                    kc.input(answer)
+        for get, handle in ((kc.get_iopub_msg, "iopub"), (kc.get_shell_msg, "shell")):
+            while True:
+                try:
+                    msg = get(timeout=0.01)
+                except queue.Empty:
+                    break
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if handle == "shell":
+                    reply = msg["content"]
+                else:
+                    told.append(_said(msg))
+                    idle = idle or (msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle")
+    return reply, "".join(told), prompts
+
+
+def run_cells_answering(cells: list[str], answers: dict[int, list[str]], timeout: int = 120, cwd: str | None = None):
+    """:func:`run_cells`, where the cells of ``answers`` (by index) may ask for input: the front end allows stdin
+    for them and types their answers, in order, at each input request (nbclient itself never allows stdin)."""
+    import asyncio
+
+    class AnsweringClient(NotebookClient):
+        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+            typed = list(answers.get(cell_index, []))
+            if not typed:
+                return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+            self.kc.allow_stdin = True
+            typing = asyncio.ensure_future(self._type(typed))
+            try:
+                return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+            finally:
+                typing.cancel()
+                self.kc.allow_stdin = False
+
+        async def _type(self, typed: list[str]) -> None:
+            while typed:
+                msg = await self.kc.get_stdin_msg()
+                if msg["msg_type"] == "input_request":
+                    self.kc.input(typed.pop(0))
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = AnsweringClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                             resources={"metadata": {"path": cwd}} if cwd else {})
+    client.execute()
+    return nb, client

@@ -9,7 +9,9 @@ the kernel's working directory in a temp dir.  What the fence's info string says
 - ``raises=Name``: the block must end in an error named ``Name`` (a refusal the page shows on purpose;
   IPython prints a magic's ``UsageError`` on stderr instead of as an error output);
 - ``no-run``: not run here (it needs GPUs, several hosts or a login); every page keeps at least one
-  block that runs.
+  block that runs;
+- ``answers="p x|c"``: the block may ask for input (a rank's ``input()`` or debugger): the front end
+  allows stdin for it and types these lines, in order, at its input requests.
 
 Other fences (```text, ```bash, ...) are not run.  The README's headline cell asks for ``--gpus 2``;
 machines that run the tests may have no GPU, so for the README only ``--gpus 2`` is replaced by
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from nbrun import error, run_cells, text
+from nbrun import error, run_cells, run_cells_answering, text
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -49,13 +52,19 @@ def blocks(path: Path) -> list[tuple[str, str, int]]:
 
 def runnable(path: Path) -> list[tuple[str, str | None, int]]:
     """(code, expected error name or None, line) of the ```python blocks to run."""
+    return [(code, expected, line) for code, expected, line, _ in _runnable(path)]
+
+
+def _runnable(path: Path) -> list[tuple[str, str | None, int, list[str]]]:
+    """(code, expected error name or None, line, the answers to type) of the ```python blocks to run."""
     found = []
     for info, code, line in blocks(path):
-        words = info.split()
+        words = shlex.split(info)
         if not words or words[0] != "python" or "no-run" in words[1:]:
             continue
         expected = next((w.split("=", 1)[1] for w in words[1:] if w.startswith("raises=")), None)
-        found.append((code.rstrip("\n"), expected, line))
+        typed = next((w.split("=", 1)[1].split("|") for w in words[1:] if w.startswith("answers=")), [])
+        found.append((code.rstrip("\n"), expected, line, typed))
     return found
 
 
@@ -79,9 +88,13 @@ def raised(cell) -> str | None:
     return None
 
 
-def run_page(cells: list[tuple[str, str | None, int]], where: Path, cwd: Path) -> None:
+def run_page(cells: list[tuple[str, str | None, int]], where: Path, cwd: Path,
+             answers: dict[int, list[str]] | None = None) -> None:
     started = time.monotonic()
-    nb, _ = run_cells([code for code, _, _ in cells], timeout=120, cwd=str(cwd))
+    if answers:
+        nb, _ = run_cells_answering([code for code, _, _ in cells], answers, timeout=120, cwd=str(cwd))
+    else:
+        nb, _ = run_cells([code for code, _, _ in cells], timeout=120, cwd=str(cwd))
     problems = []
     for cell, (code, expected, line) in zip(nb.cells, cells):
         got = raised(cell)
@@ -110,7 +123,8 @@ def test_the_readme_headline_example_runs(tmp_path, kernel_env, no_leftovers):
 @pytest.mark.kernel
 @pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
 def test_the_examples_of_a_docs_page_run(page, tmp_path, kernel_env, no_leftovers):
-    run_page(runnable(page), page, tmp_path)
+    answers = {i: typed for i, (_, _, _, typed) in enumerate(_runnable(page)) if typed}
+    run_page(runnable(page), page, tmp_path, answers)
 
 
 # -- static checks: no kernel ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 from __future__ import annotations
 
 import _signal
+import collections
 import contextlib
 import itertools
 import os
@@ -31,9 +32,11 @@ from .spec import JobSpec
 
 log = logging.getLogger("ddp_notebook")
 Listener = Callable[["Job", str, int, dict], None]
+DEBUG_WAIT_S = 3600  # a process-group timeout this short is told at a rank's first prompt
 WATCHDOG_TAIL = 64 << 10  # how much of a rank's last output is searched for the NCCL watchdog's timeout message
 
 _last_job: "Job | None" = None
+_kept: "Job | None" = None  # the failed job whose failing rank waits for the debugger (Job.debug)
 # For %ddp_jobs. Weak: a running job is held by its thread, an ended one only by whoever still uses it.
 _background_jobs: list["weakref.ref[Job]"] = []
 # Called with each job as it starts, before its ranks: where views attach their listeners.
@@ -56,6 +59,11 @@ def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
 
 
 _task_ids = itertools.count(1)
+
+
+class PromptRefused(Exception):
+    """What answers a job's prompts cannot ask (no stdin in the front end); the message says why, and the rank
+    that asked fails with it."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,17 @@ class Job(EventSource):
         self._stop_requested = False
         self._stopped_by = "job.stop()"
         self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
+        # Answers the ranks' prompts (input(), pdb) with a line typed in the notebook, or raises PromptRefused
+        # (EOFError: the end of input); set for a run in the foreground. None: prompts are refused.
+        self.prompter: Callable[[str], str] | None = None
+        self._prompts: collections.deque = collections.deque()  # (rank, PROMPT body), in the order they came
+        self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
+        self._told_limit = False  # the user was told how long the other ranks wait for a rank at its prompt
+        self._debugging: int | None = None  # the rank in its debugger: the others' prompts wait until it goes on
+        self._asking: dict | None = None  # the PROMPT asked in the notebook now (an interrupt leaves it unanswered)
+        self.keep_failed_rank = False  # --debug: the failing rank of the job's own ranks stays for debug()
+        self.kept_rank: int | None = None  # the failing rank that holds its failure for debug()
+        self._debugged = False
 
     @property
     def pids(self) -> dict[int, int]:
@@ -213,6 +232,8 @@ class Job(EventSource):
     def start(self) -> "Job":
         global _last_job
         _last_job = self
+        if _kept is not None:
+            _kept.let_go_of_failure()  # a warm pool's ranks forget it as the next task starts; others end now
         spec = self.spec
         self.started_at = time.time()
         for observe in list(_job_observers):
@@ -251,6 +272,8 @@ class Job(EventSource):
             self.group.kill()
             self.group = None
         self._results, self._failures, self._exit_how = {}, {}, {}
+        self._prompts.clear()
+        self._debugging = None
         self._first_failure_at = None
         self._outcome = None
         self._finishing = False
@@ -314,6 +337,8 @@ class Job(EventSource):
             return  # a late word about an earlier cell of a warm pool
         if kind == protocol.STOPPABLE:
             self.stoppable.add(rank)
+        if kind in (protocol.RESULT, protocol.FAILED) and self._debugging == rank:
+            self._debugging = None
         if kind == protocol.RESULT and rank in self.targets:
             if body.get("stopped"):
                 self._stopped_where[rank] = body["stopped"]
@@ -325,7 +350,79 @@ class Job(EventSource):
         elif kind == protocol.FAILED:
             self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"],
                                       body["kind"]))
+            if body["kind"] == "debugger":  # q, or the end of input, in a rank's debugger: the job stops
+                self._stopped_by = f"quitting the debugger of rank {rank}"
+                self._stop_requested = True
+        elif kind == protocol.PROMPT:
+            if self.prompter is None:
+                self._answer(rank, body, {"refused": self._no_prompter_why()})
+            else:
+                self._prompts.append((rank, body))
+        elif kind == protocol.DEBUGGED and rank == self.kept_rank:
+            self._debugged = True
+        elif kind == protocol.SAID:
+            if self._debugging == rank:
+                self._debugging = None
+            if body["text"] and self._thread is None:
+                self.relay.flush()
+                sys.stdout.write(body["text"])
+                sys.stdout.flush()
+            elif body["text"]:  # a background job's: under its own cell, with the rank's output
+                self.relay.feed(rank, "stdout", body["text"].encode())
         self.emit(kind, rank, body)
+
+    def _no_prompter_why(self) -> str:
+        if self._refusal is not None:
+            return self._refusal
+        if self._thread is not None:
+            return f"job #{self.task_id} runs in the background and its cell has returned, so no input box can " \
+                   f"reach the notebook (run the cell in the foreground to debug it)"
+        return f"nothing answers the prompts of job #{self.task_id}"
+
+    def _answer_prompts(self) -> None:
+        """Ask the ranks' prompts in the notebook, one at a time in the order they came, a rank in its debugger
+        alone until it goes on; send the answers.  An interrupt at a prompt stops the job."""
+        while self._prompts and not self._stop_requested:
+            waiting = [i for i, (rank, _) in enumerate(self._prompts) if self._debugging in (None, rank)]
+            if not waiting:
+                return
+            rank, body = self._prompts[waiting[0]]
+            del self._prompts[waiting[0]]
+            if body.get("debugger"):
+                self._debugging = rank
+            self._answer_prompt(rank, body)
+
+    def _answer_prompt(self, rank: int, body: dict) -> None:
+        self.group.pump(0)  # what the rank printed before it asked is shown first
+        self.relay.flush()
+        limit = body.get("group_timeout")
+        if limit is not None and limit < DEBUG_WAIT_S and self.spec.world_size > 1 and not self._told_limit:
+            self._told_limit = True
+            print(f"ddp_notebook: while rank {rank} waits at its prompt, ranks that wait for it in a collective give "
+                  f"up {limit:g} s after they began (the process group's timeout; torch.distributed.breakpoint() "
+                  f"gives every rank an hour)", file=sys.stderr, flush=True)
+        if body.get("said"):
+            sys.stdout.write(body["said"])
+            sys.stdout.flush()
+        self._asking = body
+        try:
+            answer = {"text": self.prompter(body["prompt"])}
+        except EOFError:
+            answer = {"eof": True}
+        except KeyboardInterrupt:
+            self._stopped_by = f"an interrupt at the prompt of rank {rank} (the debugger)"
+            self._stop_requested = True
+            return
+        except Exception as exc:  # noqa: BLE001 - the rank fails with the reason, never waits
+            why = str(exc) if isinstance(exc, PromptRefused) else \
+                f"the notebook could not ask ({type(exc).__name__}: {exc})"
+            self.prompter, self._refusal = None, why  # every later prompt is refused alike, at once
+            answer = {"refused": why}
+        self._asking = None
+        self._answer(rank, body, answer)
+
+    def _answer(self, rank: int, prompt: dict, answer: dict) -> None:
+        self.group.send(rank, (protocol.ANSWER, {"task": self.task_id, "id": prompt.get("id"), **answer}))
 
     def _on_exit(self, rank: int, code: int | None) -> None:
         if rank not in self._results and rank not in self._failures and self._outcome is None \
@@ -341,6 +438,8 @@ class Job(EventSource):
             else:
                 self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
                                           "exit"))
+        if self._debugging == rank:
+            self._debugging = None
         self.emit(protocol.EXITED, rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
@@ -465,6 +564,7 @@ class Job(EventSource):
             if self._graceful_by is not None and self._stop_asked_at is None:
                 self._ask_to_stop(self._graceful_by)
             self._pump()
+            self._answer_prompts()
         except KeyboardInterrupt:
             if self._stop_asked_at is None and self.stoppable:
                 self._ask_to_stop("the interrupt")
@@ -515,14 +615,87 @@ class Job(EventSource):
                 self._outcome = ("error", exc)
 
     def _finish(self) -> None:
-        """Let ranks exit cleanly on success; stop them at once on failure."""
+        """Let ranks exit cleanly on success; stop them at once on failure (with ``keep_failed_rank``, all but the
+        failing one, which waits for :meth:`debug`)."""
         self._finishing = True
+        failed = self._outcome[0] != "ok"
+        if failed:
+            self._keep_failure()
         if self._owns_group:
-            if self._outcome[0] == "ok":
+            if not failed:
                 self.group.shut_down()
+            elif self.kept_rank is not None:
+                self.group.signal([r for r in self.targets if r != self.kept_rank], signal.SIGKILL)
             else:
                 self.group.kill()
         self._end()
+
+    def _keep_failure(self) -> None:
+        """Where the failing rank reported a Python error and stays up (a warm pool's rank, or ``keep_failed_rank``
+        on ranks that serve tasks), it keeps its failure for :meth:`debug`."""
+        global _kept
+        error = self._outcome[1]
+        if not isinstance(error, RankError) or error.failure.kind != "user" or not hasattr(self.group, "signal") \
+                or self.spec.nnodes > 1 or self.spec.executor is not None:
+            return
+        if self._owns_group and not self.keep_failed_rank:
+            return
+        self.kept_rank = error.rank
+        _kept = self
+
+    def debug(self) -> None:
+        """Open the debugger post mortem in the rank kept at its failure (``%%ddp --debug``, ``launch(...,
+        debug=True)``, or a warm pool's last failed cell): its prompts are answered by :attr:`prompter`; ``u``
+        and ``d`` walk the rank's own traceback.  Returns when the user quits or continues (KeyboardInterrupt when
+        interrupted); the job's own ranks end then, a warm pool's rank goes back to the pool."""
+        rank = self.kept_rank
+        if rank is None or self.group is None or rank not in self.group.alive:
+            self.let_go_of_failure()
+            raise RuntimeError(f"job #{self.task_id} has no rank kept at its failure any more (its ranks have "
+                               f"ended, or a warm pool ran another task or restarted them)")
+        self._debugged = False
+        self._prompts.clear()
+        self._stop_requested = False
+        self._refusal = self._asking = None
+        self._told_limit = True  # (no rank waits for it any more)
+        self.group.send(rank, (protocol.DEBUG, {"task": self.task_id}))
+        try:
+            while not self._debugged and not self._stop_requested and rank in self.group.alive:
+                self.group.pump(0.1)
+                self._answer_prompts()
+        except KeyboardInterrupt:
+            self._stop_requested = True
+        interrupted = self._stop_requested and not self._debugged
+        try:
+            if interrupted and not self._owns_group:
+                self._leave_debugger(rank)
+        finally:
+            self.let_go_of_failure()
+        if interrupted:
+            raise KeyboardInterrupt(f"the debugger of rank {rank} was interrupted; the rank "
+                                    f"{'has ended' if self._owns_group else 'went back to the warm pool'}")
+        if self._refusal is not None:
+            raise RuntimeError(f"the debugger of rank {rank} could not ask: {self._refusal}")
+
+    def _leave_debugger(self, rank: int) -> None:
+        """A warm pool's rank in the debugger post mortem, interrupted in the notebook: its prompts are refused
+        (the one asked, those waiting and those on their way) until it has left the debugger."""
+        self.prompter, self._refusal = None, "the debugger was interrupted in the notebook"
+        for body in ([self._asking] if self._asking is not None else []) + [body for _, body in self._prompts]:
+            self._answer(rank, body, {"refused": self._refusal})
+        self._prompts.clear()
+        deadline = time.monotonic() + self.grace
+        while not self._debugged and rank in self.group.alive and time.monotonic() < deadline:
+            self.group.pump(0.05)  # (a prompt arriving now is refused at once)
+
+    def let_go_of_failure(self) -> None:
+        """Forget the rank kept at its failure; the job's own ranks end now."""
+        global _kept
+        if _kept is self:
+            _kept = None
+        if self.kept_rank is not None and self._owns_group and self.group is not None:
+            self.group.kill()
+        self.kept_rank = None
 
     def stop(self, timeout: float | None = 10.0, *, by: str = "job.stop()", now: bool = False) -> None:
         """Stop the job; its ``status`` becomes 'stopped'.
@@ -611,6 +784,11 @@ class Job(EventSource):
 def last_job() -> Job | None:
     """The most recently started job."""
     return _last_job
+
+
+def kept_failure() -> Job | None:
+    """The failed job whose failing rank waits for the debugger (:meth:`Job.debug`), if any."""
+    return _kept
 
 
 def background_jobs() -> list[Job]:

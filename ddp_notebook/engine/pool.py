@@ -312,7 +312,8 @@ class Pool:
 
     def _answered(self, job: Job) -> bool:
         outcome = job.outcome
-        answered = set(outcome.results) | {r for r, f in outcome.failures.items() if f.kind in ("user", "interrupted")}
+        answered = set(outcome.results) | {r for r, f in outcome.failures.items()
+                                           if f.kind in ("user", "interrupted", "debugger")}
         return answered >= set(job.targets) and not self.group.exited
 
     def _after_failure(self, job: Job) -> None:

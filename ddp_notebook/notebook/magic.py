@@ -24,8 +24,8 @@ from ..engine import pool as pool_module
 from ..engine import spec as job_spec
 from ..engine import template as rank_template
 from ..wire import payload
-from ..wire.errors import LaunchError, RankError
-from . import dashboard
+from ..wire.errors import JobStopped, LaunchError, RankError
+from . import dashboard, prompting
 
 
 def parse_flags(magic, line: str):
@@ -210,6 +210,9 @@ class DDPMagics(Magics):
               help="on a warm pool: run the cell on these ranks only (for inspection; collectives would hang)")
     @argument("--background", action="store_true",
               help="return a Job at once and keep training while other cells run")
+    @argument("--debug", action="store_true",
+              help="keep the first failing rank at its failure (the others are stopped): %%ddp_debug then opens "
+                   "the debugger there")
     @argument("--export", default=None, metavar="SCRIPT.py",
               help="write the cell as a script for torchrun (its payload beside it) and do not run it; "
                    "with --nnodes: the script the other hosts run")
@@ -305,6 +308,7 @@ class DDPMagics(Magics):
                                        relay=relay, targets=targets, background=args.background,
                                        max_restarts=args.max_restarts, log_dir=args.log_dir)
             job.stop_grace = args.grace
+            job.keep_failed_rank = args.debug
         except BaseException as exc:
             if spec is not None:
                 spec.release_devices()  # the job will not run: its GPUs go back now
@@ -323,6 +327,7 @@ class DDPMagics(Magics):
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)
         job.show_where_interrupted = True
+        job.prompter = prompting.ask_in_notebook
         try:
             api.start_job(job)
         except LaunchError as exc:
@@ -331,6 +336,13 @@ class DDPMagics(Magics):
             results = job.result()
         except KeyboardInterrupt:
             raise _interrupted_hard(job) from None
+        except JobStopped as stopped:
+            raise UsageError(str(stopped)) from None  # (one line: stopped from the debugger)
+        except RankError:
+            if args.debug and job.kept_rank is not None and job.kept_rank in job.group.alive:
+                print(f"ddp_notebook: rank {job.kept_rank} waits at its failure: %ddp_debug opens the debugger "
+                      f"there (the next job lets it go)", file=sys.stderr)
+            raise
         finally:
             settle(job)
         if job.stopped_text:
@@ -418,6 +430,23 @@ class DDPMagics(Magics):
         print(f"job #{job.task_id}:\n{job.stacks()}")
 
     @line_magic
+    def ddp_debug(self, line: str):
+        """Open the debugger post mortem in the failing rank of the last failed job, as ``%debug`` does in the
+        notebook: after ``%%ddp --debug`` or ``launch(..., debug=True)``, or a warm pool's last failed cell.
+        ``u``/``d`` walk the rank's own traceback; quitting ends the rank (a warm pool keeps its ranks)."""
+        job = engine_job.kept_failure()
+        if job is None:
+            print("no failed rank to debug: run the cell again with %%ddp --debug (a warm pool keeps its last "
+                  "failed cell's failure until its next cell)")
+            return
+        print(f"ddp_notebook: rank {job.kept_rank} of job #{job.task_id}, at its failure")
+        job.prompter = prompting.ask_in_notebook
+        try:
+            job.debug()
+        except (RuntimeError, KeyboardInterrupt) as exc:
+            raise UsageError(str(exc)) from None
+
+    @line_magic
     def ddp_jobs(self, line: str):
         """List this kernel's background jobs (``%%ddp --background``, ``launch(..., background=True)``)."""
         jobs = engine_job.background_jobs()
@@ -470,6 +499,9 @@ def _executor(shell, name: str | None):
 
 def _check_node_flags(args, export_only: bool) -> None:
     """Refuse flags that do not go together with --export, --nnodes, --executor or --detach."""
+    if args.debug and (args.executor is not None or args.nnodes > 1):
+        raise LaunchError("--debug keeps a failing rank of this host for %ddp_debug; the ranks of a job on several "
+                          "hosts (--nnodes) or of a Slurm job (--executor) end with their task")
     if args.executor is not None:
         clash = [flag for flag, given in (("--export", args.export), ("--ranks", args.ranks),
                                           ("--run-dir", args.run_dir)) if given]
@@ -498,7 +530,8 @@ def _check_node_flags(args, export_only: bool) -> None:
     if export_only:
         running = [flag for flag, given in (("--return", args.returns), ("--ranks", args.ranks),
                                             ("--background", args.background), ("--callback", args.callbacks),
-                                            ("--tensorboard", args.tensorboard), ("--output", args.output != "all"))
+                                            ("--tensorboard", args.tensorboard), ("--output", args.output != "all"),
+                                            ("--debug", args.debug))
                    if given]
         if running:
             raise LaunchError(f"--export writes the cell as a script and does not run it; {', '.join(running)} "

@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import pwd
+import queue
 import shutil
 import socket
 import stat
@@ -38,7 +39,7 @@ import uuid
 from multiprocessing.connection import wait as wait_ready
 
 from ..wire import channel
-from . import context
+from . import context, debugging
 from ..wire import protocol, sharing, versions
 from ..wire.protocol import RUN_DIR_ENV, metrics_path
 from . import worker
@@ -106,7 +107,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
     if notebook is not None:
         connected = _connect_notebook(ctx, notebook, quiet=files_if_unreachable)
         if connected is not None:
-            sender, finished = connected
+            sender, finished, answers = connected
         elif not files_if_unreachable or _notebook_gone(ctx, notebook, here):
             return 1
     log = None
@@ -138,6 +139,11 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
             sender.send(protocol.FAILED, {**failure, "task": notebook["task"]})
             sender.flush()
         return 1
+    if sender is not None:
+        ctx.extra["task"] = notebook["task"]
+        debugging.install(sender.send_now, answers.get)  # input() and pdb ask in the notebook
+    elif run.get("notebook") is not None:
+        debugging.install(None, None)  # reporting through files: a prompt fails saying so
     if sender is not None:
         sender.send(protocol.READY, {})
     failure = worker.run_task(ctx, sender or log.sender, notebook["task"] if notebook else 0,
@@ -211,9 +217,10 @@ def _connect_notebook(ctx: context.RankContext, notebook: dict, quiet: bool = Fa
     ctx.sender = sender
     sender.send(protocol.HELLO, {"rank": ctx.rank, "pid": os.getpid(), "node": _node(), "host": socket.gethostname()})
     finished = threading.Event()
-    threading.Thread(target=_watch_notebook, args=(ctx, conn, finished, notebook), name="ddp-notebook-watch",
-                     daemon=True).start()
-    return sender, finished
+    answers: queue.Queue = queue.Queue()
+    threading.Thread(target=_watch_notebook, args=(ctx, conn, finished, notebook, answers),
+                     name="ddp-notebook-watch", daemon=True).start()
+    return sender, finished, answers
 
 
 def _notebook_gone(ctx: context.RankContext, notebook: dict, here: str) -> bool:
@@ -274,11 +281,15 @@ def _leave_notebook(sender, finished, unreached: list[int], why: str | None, run
     sender.close()
 
 
-def _watch_notebook(ctx: context.RankContext, conn, finished: threading.Event, notebook: dict) -> None:
-    """The notebook stops a job by closing its channel: a rank still at work then stops at once."""
+def _watch_notebook(ctx: context.RankContext, conn, finished: threading.Event, notebook: dict,
+                    answers: queue.Queue) -> None:
+    """The notebook stops a job by closing its channel: a rank still at work then stops at once.  The answers to
+    the rank's prompts (rank/debugging.py) go to ``answers``."""
     while True:
         try:
-            conn.recv()  # nothing the notebook says asks for anything here
+            kind, body = conn.recv()  # (nothing else the notebook says asks for anything here)
+            if kind == protocol.ANSWER:
+                answers.put(body)
         except (EOFError, OSError):
             if finished.is_set():
                 return

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import faulthandler
-import io
 import json
 import os
 import random
@@ -21,7 +20,7 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, display, replicas, sharded, stopping, streams, timing
+from . import context, debugging, display, replicas, sharded, stopping, streams, timing
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -93,6 +92,24 @@ class Inbox:
                         self._later.append(message)
             finally:
                 self._reading.release()
+
+    def answer(self) -> dict:
+        """The notebook's answer to this rank's prompt, waiting for it (an interrupt ends the wait).  What else
+        arrives first: a stop counts at once, the rest waits for the task's end."""
+        with self._reading:
+            for message in self._later:  # (read at a batch boundary of another thread before this wait)
+                if message[0] == protocol.ANSWER:
+                    self._later.remove(message)
+                    return message[1]
+            while True:
+                self._conn.poll(None)  # (outside whole_message: the wait itself may be interrupted)
+                kind, body = self._receive()
+                if kind == protocol.ANSWER:
+                    return body
+                if kind == protocol.STOP:
+                    stopping.request(body["task"])
+                else:
+                    self._later.append((kind, body))
 
     def _receive(self) -> tuple:
         try:
@@ -317,6 +334,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     """
     task = None
     failure = None
+    debugging.keep_failure(None, None)  # (the last task's frames go)
     try:
         if interruptible is not None:
             interruptible.set()
@@ -346,30 +364,18 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what happens next
         if interruptible is not None:
             interruptible.clear()
-        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else None
+        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+            "debugger" if debugging.quit_by_debugger(exc) else None
+        debugging.leave_out_debugger(exc)
         failure = failure_report(exc, payload.traceback_labels(), kind=kind)
         failure["task"] = task_id
+        if failure["kind"] == "user":
+            debugging.keep_failure(task_id, exc)  # for the debugger post mortem (DEBUG), until the next task
         if sender is not None:
             _report_failure(sender, failure)
     if sender is not None:
         sender.flush()
     return failure
-
-
-class NoKeyboard(io.TextIOBase):
-    """A rank's stdin: reading it (``input()``) fails with a message that says why."""
-
-    MESSAGE = ("input() in a rank: ranks have no keyboard; ask in the notebook before the cell "
-               "(the cell reads the notebook's names) or pass the value to launch()")
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> str:
-        raise RuntimeError(self.MESSAGE)
-
-    def readline(self, size: int | None = -1) -> str:
-        raise RuntimeError(self.MESSAGE)
 
 
 def main() -> None:
@@ -418,7 +424,7 @@ def forked_main(boot: dict, lifeline: int) -> None:
 
 def serve(boot: dict) -> None:
     """Connect to the notebook, join the process group, run tasks until told to exit; never returns."""
-    sys.stdin = NoKeyboard()  # input() in a cell says why it cannot work, not "I/O operation on closed file"
+    debugging.install(None, None)  # input() in a cell says why it cannot work, not "I/O operation on closed file"
     streams.keep_in_order()
     sys.path[:] = boot["sys_path"]
     global _job_dir
@@ -449,6 +455,7 @@ def serve(boot: dict) -> None:
         sender.flush()
         os._exit(1)
     sender.send(protocol.READY, {})
+    debugging.install(sender.send_now, inbox.answer)  # (after the group: torch.distributed is imported)
 
     namespace: dict = {}  # kept across tasks: a warm rank remembers the cell's names
     interruptible = threading.Event()
@@ -467,6 +474,9 @@ def serve(boot: dict) -> None:
             continue
         if kind == protocol.SYNC:
             _sync(ctx, sender, body, namespace)
+            continue
+        if kind == protocol.DEBUG:
+            debugging.debug_failure(body["task"])
             continue
         if kind != protocol.RUN:
             continue

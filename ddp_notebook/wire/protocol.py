@@ -14,10 +14,12 @@ import os
 from typing import Any
 
 # The notebook to a rank
-RUN = "run"  # {task, data | path, seed, attempt, every_rank}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts; every_rank: False when it runs on some ranks only)
+RUN = "run"  # {task, data | path, seed, attempt, every_rank[, debug]}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts; every_rank: False when it runs on some ranks only; debug: a failing rank waits at its failure for DEBUG or EXIT)
 SYNC = "sync"  # {task, timeout, check_timeout}: a warm pool's barrier and process-group check after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (the rank reads it there)
+ANSWER = "answer"  # {task, id, text | eof | refused}: the answer to a rank's PROMPT id (refused: why no one can answer it)
+DEBUG = "debug"  # {task}: a rank kept at its failure (RUN's debug) opens the debugger post mortem there
 
 # A rank to the notebook
 HELLO = "hello"  # {rank, pid[, node, host]}: the first message on a connection
@@ -32,6 +34,9 @@ BYE = "bye"  # {}: the rank is leaving
 FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
 STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())
 RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
+PROMPT = "prompt"  # {task, id, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
+SAID = "said"  # {task, text}: the rank's debugger lets it go on; text: what it wrote since its last prompt (shown whatever --output)
+DEBUGGED = "debugged"  # {task}: the debugger opened after a failure (DEBUG) has ended; the rank waits for EXIT
 
 # What a job adds for its listeners
 STARTED = "started"  # {world_size, port, pids}

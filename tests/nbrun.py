@@ -8,14 +8,18 @@ import subprocess
 import sys
 import time
 
-import nbformat
 import psutil
 from jupyter_client.manager import start_new_kernel
-from nbclient import NotebookClient
+
+# nbformat and nbclient are imported where they are used: ranks import a test module to run its functions, and with
+# it this one, where they would add seconds (jsonschema's checkers) to every rank's start.
 
 
 def run_cells(cells: list[str], timeout: int = 120, cwd: str | None = None, allow_errors: bool = True):
     """Execute the cells in a fresh python3 kernel; returns (notebook, client)."""
+    import nbformat
+    from nbclient import NotebookClient
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
                             resources={"metadata": {"path": cwd}} if cwd else {})
@@ -200,6 +204,9 @@ def run_cells_answering(cells: list[str], answers: dict[int, list[str]], timeout
     """:func:`run_cells`, where the cells of ``answers`` (by index) may ask for input: the front end allows stdin
     for them and types their answers, in order, at each input request (nbclient itself never allows stdin)."""
     import asyncio
+
+    import nbformat
+    from nbclient import NotebookClient
 
     class AnsweringClient(NotebookClient):
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):

@@ -73,3 +73,4 @@ def load_ipython_extension(ipython) -> None:
 
     register(ipython)
     template.warm_up()  # ranks fork from it: the first cell need not wait for torch to import
+    ipython.events.register("post_run_cell", template.preload_notebook_libraries)  # what the cell imported

@@ -1,22 +1,31 @@
 """The rank template: ``python -m ddp_notebook.rank.template FD PID``, a process ranks are forked from.
 
 It imports what every rank imports (torch, numpy, cloudpickle, the rank side
-of ddp_notebook) once and never touches CUDA, then waits on its socket
-(``FD``, one end of a socket pair whose other end the notebook, process
-``PID``, holds) for requests to fork a rank.  It ends as soon as the notebook
-goes, at any moment: while it imports (seconds), a thread watches for that,
-and the thread has ended before the first rank is forked.  A forked rank
+of ddp_notebook) once and never touches CUDA, says it is ready, then waits on
+its socket (``FD``, one end of a socket pair whose other end the notebook,
+process ``PID``, holds) for requests to fork a rank.  It ends as soon as the
+notebook goes, at any moment: while it imports (seconds), a thread watches for
+that, and the thread has ended before the first rank is forked.  A forked rank
 takes its own session, output pipes, environment, working directory and
 ``sys.path`` before it runs anything of the job
 (:func:`~ddp_notebook.rank.worker.forked_main`).
 The template reaps its ranks and writes each one's exit code to the rank's
-status pipe.  It also ends when the notebook says so.  Rank side: no
-IPython, ipywidgets or matplotlib here.
+status pipe.  It also ends when the notebook says so.
+
+Between requests it preloads what the notebook asks for (``torch._dynamo``,
+the libraries the notebook imported), one module at a time, so that a rank
+never waits for more than one import; a job's ranks hold it (``HOLD`` ...
+``GO_ON``) while they are forked.  A module that leaves the template unfit to
+fork (a thread, CUDA, a module ranks set up themselves) taints it: it says so
+and forks no rank any more.  Rank side: no IPython, ipywidgets or matplotlib
+here.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
+import importlib
 import os
 import select
 import signal
@@ -139,6 +148,44 @@ def _end_when_the_notebook_goes(sock: socket.socket, notebook: int) -> Callable[
     return done
 
 
+def taint() -> str | None:
+    """Why this process can no longer fork ranks safely (a fork copies only the calling thread; a rank must start
+    without CUDA), or None."""
+    threads = len(os.listdir("/proc/self/task"))  # native threads too, which threading does not list
+    if threads > 1:
+        return f"started {threads - 1} thread{'s' if threads > 2 else ''}"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "initialised CUDA"
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/nvidia"):
+            return f"opened {target}"
+    from ..wire.forking import RANK_OWN_MODULES
+
+    imported = [name for name in RANK_OWN_MODULES if name in sys.modules]
+    if imported:
+        return f"imported {', '.join(imported)}, which ranks set up themselves"
+    return None
+
+
+def _preload(name: str, sys_path: list[str]) -> dict:
+    sys.path[:] = sys_path  # the notebook's: where it imports from (a rank takes the one of its start)
+    try:
+        module = importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 - even SystemExit: the ranks import it themselves
+        result = {"module": name, "error": f"{type(exc).__name__}: {exc}".strip()}
+    else:
+        result = {"module": name, "file": getattr(module, "__file__", None)}
+    tainted = taint()
+    if tainted:
+        result.update(error=tainted, tainted=True)
+    return result
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD PID
     parent = int(sys.argv[2])
@@ -154,12 +201,6 @@ def main() -> None:
     from ..wire import channel, forking, payload, sharing  # noqa: F401
     from . import checkpoint, context, data, metrics, worker  # noqa: F401
 
-    try:  # what a rank's first DistributedDataParallel(...) imports: about 1 s, 800 modules and 70 MB, once
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-    except Exception:  # noqa: BLE001 - a rank imports them itself then
-        pass
-
     stop_watching()  # the loop below watches for the notebook itself
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
     _settle_heap()
@@ -171,8 +212,13 @@ def main() -> None:
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
+    to_preload: collections.deque[str] = collections.deque()
+    preload_path = list(sys.path)
+    held = False  # a job's ranks are being forked: no import in between
+    tainted = None  # what a preload did that makes forks unsafe
     while True:
-        readable, _, _ = select.select([sock, child_ended], [], [], LOOK_FOR_THE_NOTEBOOK_S)
+        busy = bool(to_preload) and not held and tainted is None
+        readable, _, _ = select.select([sock, child_ended], [], [], 0 if busy else LOOK_FOR_THE_NOTEBOOK_S)
         if child_ended in readable:
             while _read_some(child_ended):
                 pass
@@ -180,6 +226,12 @@ def main() -> None:
         if os.getppid() != parent:
             break  # the notebook is gone
         if sock not in readable:
+            if busy:
+                done = _preload(to_preload.popleft(), preload_path)
+                tainted = tainted or (done["error"] if done.get("tainted") else None)
+                forking.send(sock, {"kind": forking.PRELOADED, **done})
+                if not to_preload:
+                    _settle_heap()
             continue
         try:
             received = forking.receive(sock)
@@ -190,14 +242,22 @@ def main() -> None:
         request, fds = received
         if request["kind"] == forking.STOP:
             break
-        try:
-            pid = _fork_rank(sock, request, dict(fds), statuses, (child_ended, wake))
-        except OSError as exc:
-            os.close(fds.pop("status"))
-            forking.send(sock, {"kind": forking.FORKED, "error": str(exc)})
+        if request["kind"] in (forking.HOLD, forking.GO_ON):
+            held = request["kind"] == forking.HOLD
+        elif request["kind"] == forking.PRELOAD:
+            to_preload.extend(request["modules"])
+            preload_path = request["sys_path"]
+        elif tainted is not None:
+            forking.send(sock, {"kind": forking.FORKED, "error": f"the template is tainted: {tainted}"})
         else:
-            statuses[pid] = fds.pop("status")
-            forking.send(sock, {"kind": forking.FORKED, "pid": pid})
+            try:
+                pid = _fork_rank(sock, request, dict(fds), statuses, (child_ended, wake))
+            except OSError as exc:
+                os.close(fds.pop("status"))
+                forking.send(sock, {"kind": forking.FORKED, "error": str(exc)})
+            else:
+                statuses[pid] = fds.pop("status")
+                forking.send(sock, {"kind": forking.FORKED, "pid": pid})
         for fd in fds.values():
             os.close(fd)
     for fd in statuses.values():

@@ -250,6 +250,7 @@ class Template:
         self.ready = False
         self.asked: dict[str, tuple] = {}  # module sent to preload -> its stamp then (see _where_on_disk)
         self.preloaded: list[str] = []
+        self.answered: set[str] = set()  # preloads done, or left to the ranks
         self.tainted: str | None = None  # the library that made it unfit to fork, and how
         self.forking = threading.RLock()  # one request on the socket at a time
         log.debug("rank template starting: pid %s", self.proc.pid)
@@ -262,6 +263,7 @@ class Template:
             log.debug("rank template ready: pid %s", self.proc.pid)
         elif kind == forking.PRELOADED:
             module = message["module"]
+            self.answered.add(module)
             if "error" not in message:
                 self.preloaded.append(module)
                 log.debug("rank template preloaded %s", module)
@@ -305,6 +307,19 @@ class Template:
                 self._take({"kind": forking.READY})
             return self.ready and self.proc.poll() is None
 
+    def wait_preloaded(self, timeout: float = READY_TIMEOUT_S) -> bool:
+        """Wait until the template has answered every preload asked of it (or is tainted); False if it died or
+        took too long."""
+        deadline = time.monotonic() + timeout
+        with self.forking:
+            self._receive()
+            while self.tainted is None and not self.answered.issuperset(self.asked):
+                message = self._receive(forking.PRELOADED, max(0.0, deadline - time.monotonic()))
+                if message is None:
+                    return False
+                self._take(message)
+        return True
+
     def usable(self) -> bool:
         """Alive, not tainted, and started from the torch, ddp_notebook and preloaded libraries on disk now (and,
         once it preloaded any, the environment of now, which they may have read)."""
@@ -337,7 +352,8 @@ class Template:
 
     def preload(self) -> None:
         """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries."""
-        wanted = [name for name in (*FIRST_PRELOADS, *notebook_libraries()) if name not in self.asked]
+        wanted = [name for name in (*FIRST_PRELOADS, *notebook_libraries())
+                  if name not in self.asked and name not in _left_to_ranks]
         if not wanted:
             return
         with self.forking:
@@ -491,6 +507,11 @@ def preload_notebook_libraries(*_) -> None:
                 template.preload()
         except OSError as exc:  # never the cell's concern
             log.debug("rank template: no preload after the cell: %s", exc)
+
+
+def current() -> "Template | None":
+    """The template, if one was started (ready or not)."""
+    return _current
 
 
 def left_to_ranks() -> dict[str, str]:

@@ -148,12 +148,17 @@ def _end_when_the_notebook_goes(sock: socket.socket, notebook: int) -> Callable[
     return done
 
 
-def taint() -> str | None:
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))  # native threads too, which threading does not list
+
+
+def taint(threads_before: int) -> str | None:
     """Why this process can no longer fork ranks safely (a fork copies only the calling thread; a rank must start
-    without CUDA), or None."""
-    threads = len(os.listdir("/proc/self/task"))  # native threads too, which threading does not list
-    if threads > 1:
-        return f"started {threads - 1} thread{'s' if threads > 2 else ''}"
+    without CUDA), or None.  ``threads_before``: the native threads it had (the BLAS pool numpy starts, whose
+    library readies it for a fork)."""
+    threads = max(_threads() - threads_before, threading.active_count() - 1)
+    if threads > 0:
+        return f"started {threads} thread{'s' if threads > 1 else ''}"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "initialised CUDA"
@@ -172,7 +177,7 @@ def taint() -> str | None:
     return None
 
 
-def _preload(name: str, sys_path: list[str]) -> dict:
+def _preload(name: str, sys_path: list[str], threads_before: int) -> dict:
     sys.path[:] = sys_path  # the notebook's: where it imports from (a rank takes the one of its start)
     try:
         module = importlib.import_module(name)
@@ -180,7 +185,7 @@ def _preload(name: str, sys_path: list[str]) -> dict:
         result = {"module": name, "error": f"{type(exc).__name__}: {exc}".strip()}
     else:
         result = {"module": name, "file": getattr(module, "__file__", None)}
-    tainted = taint()
+    tainted = taint(threads_before)
     if tainted:
         result.update(error=tainted, tainted=True)
     return result
@@ -212,6 +217,7 @@ def main() -> None:
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
+    threads_before = _threads()
     to_preload: collections.deque[str] = collections.deque()
     preload_path = list(sys.path)
     held = False  # a job's ranks are being forked: no import in between
@@ -227,7 +233,7 @@ def main() -> None:
             break  # the notebook is gone
         if sock not in readable:
             if busy:
-                done = _preload(to_preload.popleft(), preload_path)
+                done = _preload(to_preload.popleft(), preload_path, threads_before)
                 tainted = tainted or (done["error"] if done.get("tainted") else None)
                 forking.send(sock, {"kind": forking.PRELOADED, **done})
                 if not to_preload:

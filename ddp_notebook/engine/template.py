@@ -59,6 +59,7 @@ _lock = threading.RLock()
 _current: "Template | None" = None
 _left_to_ranks: dict[str, str] = {}  # library -> why the template does not preload it, for this process's life
 _waiting = threading.local()
+_not_installed: set[str] = set()  # imported modules of no installed distribution, when distributions were read
 _wanted = False  # a job found no template: one is started when it ends (unless stop() came in between)
 
 
@@ -145,10 +146,17 @@ def notebook_libraries() -> list[str]:
     names = {name.partition(".")[0] for name in list(sys.modules)}
     names = {n for n in names if not n.startswith("_") and n not in sys.stdlib_module_names
              and n not in forking.RANK_OWN_MODULES and n not in _left_to_ranks and n != "ddp_notebook"}
-    if names - set(_distributions()):
-        _distributions.cache_clear()  # perhaps installed since (a local module too: a few ms, per new name)
-    installed = _distributions()
-    return sorted(names.intersection(installed) - _jupyter_modules())
+    if names - set(_distributions()) - _not_installed:
+        _distributions.cache_clear()  # perhaps installed since it was read (or a module of no distribution)
+        _not_installed.update(names - set(_distributions()))
+    return sorted(names.intersection(_distributions()) - _jupyter_modules())
+
+
+def _imported_modules_of(library: str) -> list[str]:
+    """The modules of ``library`` this process has imported, parents first."""
+    prefix = library + "."
+    return sorted(name for name, module in list(sys.modules.items())
+                  if name.startswith(prefix) and module is not None and getattr(module, "__spec__", None) is not None)
 
 
 def _find_torch() -> str | None:
@@ -248,9 +256,10 @@ class Template:
         finally:
             theirs.close()
         self.ready = False
-        self.asked: dict[str, tuple] = {}  # module sent to preload -> its stamp then (see _where_on_disk)
+        self.asked: dict[str, tuple] = {}  # library sent to preload -> its stamp then (see _where_on_disk)
+        self.asked_modules: set[str] = set()  # the libraries and their modules sent
+        self.unanswered = 0
         self.preloaded: list[str] = []
-        self.answered: set[str] = set()  # preloads done, or left to the ranks
         self.tainted: str | None = None  # the library that made it unfit to fork, and how
         self.forking = threading.RLock()  # one request on the socket at a time
         log.debug("rank template starting: pid %s", self.proc.pid)
@@ -263,10 +272,12 @@ class Template:
             log.debug("rank template ready: pid %s", self.proc.pid)
         elif kind == forking.PRELOADED:
             module = message["module"]
-            self.answered.add(module)
+            self.unanswered -= 1
             if "error" not in message:
                 self.preloaded.append(module)
-                log.debug("rank template preloaded %s", module)
+                skipped = message.get("skipped")
+                log.debug("rank template preloaded %s%s", module,
+                          f" (not {', '.join(skipped)}: left to the ranks)" if skipped else "")
                 return
             _left_to_ranks[module] = message["error"]
             log.debug("rank template: %s left to the ranks (%s)", module, message["error"])
@@ -313,7 +324,7 @@ class Template:
         deadline = time.monotonic() + timeout
         with self.forking:
             self._receive()
-            while self.tainted is None and not self.answered.issuperset(self.asked):
+            while self.tainted is None and self.unanswered > 0:
                 message = self._receive(forking.PRELOADED, max(0.0, deadline - time.monotonic()))
                 if message is None:
                     return False
@@ -351,20 +362,30 @@ class Template:
         self.preload()
 
     def preload(self) -> None:
-        """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries."""
-        wanted = [name for name in (*FIRST_PRELOADS, *notebook_libraries())
-                  if name not in self.asked and name not in _left_to_ranks]
-        if not wanted:
+        """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries
+        with the modules of theirs the notebook has imported (a library that loads lazily loads little itself)."""
+        steps = []
+        for name in (*FIRST_PRELOADS, *notebook_libraries()):
+            if name in _left_to_ranks:
+                continue
+            new = [m for m in _imported_modules_of(name) if m not in self.asked_modules]
+            if name not in self.asked or new:
+                steps.append([name, new])
+        if not steps:
             return
         with self.forking:
-            for name in wanted:
-                self.asked[name] = _where_on_disk(name) if "." not in name else ()
+            for name, modules in steps:
+                if name not in self.asked:
+                    self.asked[name] = _where_on_disk(name) if "." not in name else ()
+                self.asked_modules.update([name, *modules])
             try:
-                forking.send(self.sock, {"kind": forking.PRELOAD, "modules": wanted,
+                forking.send(self.sock, {"kind": forking.PRELOAD, "modules": steps,
                                          "sys_path": [p if p else os.getcwd() for p in sys.path]})
             except OSError:
-                pass
-        log.debug("rank template asked to preload %s", ", ".join(wanted))
+                return
+            self.unanswered += len(steps)
+        log.debug("rank template asked to preload %s", ", ".join(
+            f"{name} ({len(modules)} modules)" if modules else name for name, modules in steps))
 
     def fork(self, boot: dict, env: dict[str, str], cwd: str, store_fd: int | None) -> ForkedProcess | None:
         """Fork one rank; None when its environment differs from the template's in what is read at start."""

@@ -152,11 +152,22 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))  # native threads too, which threading does not list
 
 
+def threads_at_a_fork() -> int:
+    """This process's threads once its libraries' fork handlers have run, as a fork finds them (a BLAS pool stops
+    for a fork and starts again when next used): a child that ends at once is forked to run them."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return _threads()
+
+
 def taint(threads_before: int) -> str | None:
     """Why this process can no longer fork ranks safely (a fork copies only the calling thread; a rank must start
-    without CUDA), or None.  ``threads_before``: the native threads it had (the BLAS pool numpy starts, whose
-    library readies it for a fork)."""
-    threads = max(_threads() - threads_before, threading.active_count() - 1)
+    without CUDA), or None.  ``threads_before``: what :func:`threads_at_a_fork` said before."""
+    threads = threading.active_count() - 1
+    if not threads and _threads() > threads_before:
+        threads = threads_at_a_fork() - threads_before
     if threads > 0:
         return f"started {threads} thread{'s' if threads > 1 else ''}"
     torch = sys.modules.get("torch")
@@ -177,14 +188,20 @@ def taint(threads_before: int) -> str | None:
     return None
 
 
-def _preload(name: str, sys_path: list[str], threads_before: int) -> dict:
+def _preload(name: str, modules: list[str], sys_path: list[str], threads_before: int) -> dict:
+    """Import library ``name`` and those of its ``modules`` that import here (the rest are the ranks' to import)."""
     sys.path[:] = sys_path  # the notebook's: where it imports from (a rank takes the one of its start)
     try:
-        module = importlib.import_module(name)
+        library = importlib.import_module(name)
     except BaseException as exc:  # noqa: BLE001 - even SystemExit: the ranks import it themselves
         result = {"module": name, "error": f"{type(exc).__name__}: {exc}".strip()}
     else:
-        result = {"module": name, "file": getattr(module, "__file__", None)}
+        result = {"module": name, "file": getattr(library, "__file__", None)}
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except BaseException:  # noqa: BLE001 - one the notebook made by other means, or that needs it
+                result.setdefault("skipped", []).append(module)
     tainted = taint(threads_before)
     if tainted:
         result.update(error=tainted, tainted=True)
@@ -216,9 +233,9 @@ def main() -> None:
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
+    threads_before = threads_at_a_fork()
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
-    threads_before = _threads()
-    to_preload: collections.deque[str] = collections.deque()
+    to_preload: collections.deque[tuple[str, list[str]]] = collections.deque()  # (library, its modules)
     preload_path = list(sys.path)
     held = False  # a job's ranks are being forked: no import in between
     tainted = None  # what a preload did that makes forks unsafe
@@ -233,7 +250,7 @@ def main() -> None:
             break  # the notebook is gone
         if sock not in readable:
             if busy:
-                done = _preload(to_preload.popleft(), preload_path, threads_before)
+                done = _preload(*to_preload.popleft(), preload_path, threads_before)
                 tainted = tainted or (done["error"] if done.get("tainted") else None)
                 forking.send(sock, {"kind": forking.PRELOADED, **done})
                 if not to_preload:

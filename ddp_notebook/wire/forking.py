@@ -17,9 +17,10 @@ FORK = "fork"  # start one rank: {"boot", "env", "cwd", "fds"}
 FORKED = "forked"  # {"pid"} or {"error"}
 HOLD = "hold"  # a job's ranks are coming: import nothing more until GO_ON
 GO_ON = "go_on"
-PRELOAD = "preload"  # import these modules, one at a time between requests: {"modules", "sys_path"}
-PRELOADED = "preloaded"  # one module done: {"module", "file"}, or {"module", "error"} (not imported, or imported
-#                          and the template tainted: {"tainted": True}; it forks no rank any more)
+PRELOAD = "preload"  # import these libraries, one at a time between requests: {"modules": [[library, [its
+#                      modules]], ...], "sys_path"}
+PRELOADED = "preloaded"  # one library done: {"module", "file", "skipped": [modules]}, or {"module", "error"} (not
+#                          imported, or imported and the template tainted: {"tainted": True}; it forks no more)
 STOP = "stop"
 # A rank sets these up itself, from its own environment (matplotlib reads MPLBACKEND at import): the template never
 # preloads them, and a library that imports them is left to the ranks.

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 from ..wire import forking
 from ..wire.channel import ready_now
@@ -153,10 +154,20 @@ def notebook_libraries() -> list[str]:
 
 
 def _imported_modules_of(library: str) -> list[str]:
-    """The modules of ``library`` this process has imported, parents first."""
+    """The modules of ``library`` this process has imported, parents first, less those that hold something of
+    what ranks set up themselves (``tqdm.notebook``: an ipywidgets bar): they would taint the template."""
     prefix = library + "."
     return sorted(name for name, module in list(sys.modules.items())
-                  if name.startswith(prefix) and module is not None and getattr(module, "__spec__", None) is not None)
+                  if name.startswith(prefix) and getattr(module, "__spec__", None) is not None
+                  and not _holds_what_ranks_set_up(module))
+
+
+def _holds_what_ranks_set_up(module) -> bool:
+    for value in list(vars(module).values()):
+        owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(owner, str) and owner.partition(".")[0] in forking.RANK_OWN_MODULES:
+            return True
+    return False
 
 
 def _find_torch() -> str | None:
@@ -259,6 +270,7 @@ class Template:
         self.asked: dict[str, tuple] = {}  # library sent to preload -> its stamp then (see _where_on_disk)
         self.asked_modules: set[str] = set()  # the libraries and their modules sent
         self.unanswered = 0
+        self.modules_when_asked = 0  # how many modules the notebook had when it last asked
         self.preloaded: list[str] = []
         self.tainted: str | None = None  # the library that made it unfit to fork, and how
         self.forking = threading.RLock()  # one request on the socket at a time
@@ -365,6 +377,7 @@ class Template:
         """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries
         with the modules of theirs the notebook has imported (a library that loads lazily loads little itself)."""
         steps = []
+        self.modules_when_asked = len(sys.modules)
         for name in (*FIRST_PRELOADS, *notebook_libraries()):
             if name in _left_to_ranks:
                 continue
@@ -476,8 +489,8 @@ def for_job() -> "Template | None":
         template = warm_up()  # a template that is no longer usable is replaced
         if template is None:
             return None
-        if not template.ready and getattr(_waiting, "off", False) and not template.wait_ready(timeout=0):
-            log.debug("rank template not ready: ranks start fresh")
+        if getattr(_waiting, "off", False) and (not template.wait_ready(timeout=0) or template.unanswered):
+            log.debug("rank template not ready or preloading: ranks start fresh")
             return None
         try:
             template.hold()
@@ -520,8 +533,9 @@ def preload_notebook_libraries(*_) -> None:
     """After a cell (IPython's ``post_run_cell``): a ready template preloads the libraries the notebook imported."""
     with _lock:
         template = _current
-        if template is None or not enabled():
-            return
+        if template is None or not enabled() or (template.asked and template.tainted is None
+                                                  and len(sys.modules) == template.modules_when_asked):
+            return  # (the cheap test first: nothing imported since; most cells)
         try:
             template = warm_up()  # a tainted or outdated template is replaced
             if template is not None and template.wait_ready(timeout=0):

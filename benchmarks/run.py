@@ -321,7 +321,7 @@ def write_report(path: str, r: dict, args) -> None:
                   "launcher already, as a notebook kernel does; *fresh*: the whole command, interpreter start "
                   "included. launch() from a live process forks its ranks from the rank template, warm "
                   "between calls as in a kernel; *template cold*: the template is stopped before each call, "
-                  "which then finds none, starts its ranks fresh and starts one as it ends; *no template*: `DDP_NOTEBOOK_TEMPLATE=0`, every "
+                  "which then starts one and waits for it; *no template*: `DDP_NOTEBOOK_TEMPLATE=0`, every "
                   "rank a fresh interpreter.", "",
                   "| contender | median | min–max | runs |", "| --- | --- | --- | --- |"]
         lines += [_row(name, s) for name, s in t.items()]

@@ -272,9 +272,9 @@ def _lightning_trivial(fabric) -> None:
 def caller(kind: str) -> None:
     """Read 'go' lines; answer each with the seconds one trivial 2-rank job took from this live process.
 
-    ``launch``: the rank template is started first and stays warm between calls (as in a kernel);
-    ``launch-template-cold``: it is stopped before each call, so the call finds none (its ranks start fresh, and it
-    starts one as it ends); ``launch-no-template``: ranks started fresh (``DDP_NOTEBOOK_TEMPLATE=0``).
+    ``launch``: the rank template stays warm between calls (as in a kernel); ``launch-template-cold``: it is
+    stopped before each call, so the call starts one and waits for it; ``launch-no-template``: ranks started
+    fresh (``DDP_NOTEBOOK_TEMPLATE=0``).
     """
     if kind.startswith("launch"):
         import ddp_notebook
@@ -282,8 +282,6 @@ def caller(kind: str) -> None:
 
         if kind == "launch-no-template":
             os.environ["DDP_NOTEBOOK_TEMPLATE"] = "0"
-        elif kind == "launch":
-            template.ready_template()  # warm, as %load_ext leaves it in a kernel
 
         def once():
             if kind == "launch-template-cold":

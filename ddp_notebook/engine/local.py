@@ -5,8 +5,7 @@ interrupt does not reach it; the notebook decides), with the torchrun
 environment contract, and a JSON bootstrap that holds the channel key (never
 on the command line).  It is forked from the rank template when one is up
 (:mod:`~ddp_notebook.engine.template`: no torch import to wait for), else
-started fresh with the bootstrap on its stdin (and a template started for the
-next job once this one has ended).  Messages from a rank go to the job once the rank
+started fresh with the bootstrap on its stdin.  Messages from a rank go to the job once the rank
 has said who it is (:class:`~ddp_notebook.engine.backend.ChannelRanks`).
 """
 from __future__ import annotations
@@ -43,7 +42,6 @@ class LocalRanks(ChannelRanks):
         if self._port_held is not None:
             self._port_held.close()
             self._port_held = None
-        rank_template.after_job()
 
     @property
     def _store_file(self) -> str:

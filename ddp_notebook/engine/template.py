@@ -6,7 +6,7 @@ share its pages.  The template (``python -m ddp_notebook.rank.template``) never
 touches CUDA, so CUDA used in the kernel does not matter; each rank takes its
 own session, pipes, environment, directory and ``sys.path`` of the moment it
 is forked.  The template is started in the background (when the extension
-loads, or when a job ends and there was none) and replaced when torch,
+loads, or at the first launch) and replaced when torch,
 ddp_notebook or a library it preloaded changed on disk, or it died; it goes
 with the kernel, with ``%ddp_stop`` and :func:`stop`.
 ``DDP_NOTEBOOK_TEMPLATE=0`` turns it off: every rank is then a fresh
@@ -17,9 +17,10 @@ Once ready it preloads, one module at a time between fork requests,
 (:func:`notebook_libraries`), after each job's ranks are forked and after
 each cell.  A library that fails to import or leaves the template unfit to
 fork (a thread, CUDA) is left to the ranks, named in the debug log; a template
-it tainted is replaced.  A job never waits for a preload it did not find
-done, and never for a template that is not ready when it cannot wait
-(:func:`not_waiting`): its ranks start fresh then.
+it tainted is replaced.  A job's ranks wait for what every rank imports and
+at most for the one library being preloaded when the job came, and never for
+a template that is not ready (or preloading) when the job cannot wait
+(:func:`not_waiting`): they start fresh then.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ log = logging.getLogger("ddp_notebook")
 READY_TIMEOUT_S = 60.0
 # Variables read when an interpreter or torch starts: a rank whose value differs from the template's is started
 # fresh, as the fork would not see them.
-_READ_AT_START = ("LD_", "PYTHON", "MALLOC_", "MKL_", "KMP_", "GOMP_", "OMP_", "TORCH_", "DDP_NOTEBOOK_TEMPLATE")
+_READ_AT_START = ("LD_", "PYTHON", "MALLOC_", "MKL_", "KMP_", "GOMP_", "OMP_", "TORCH", "DDP_NOTEBOOK_TEMPLATE")
 _SET_PER_RANK = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
 
 # The package's folder, from this file's place in it (importing the package root here would be an import loop).
@@ -61,7 +62,6 @@ _current: "Template | None" = None
 _left_to_ranks: dict[str, str] = {}  # library -> why the template does not preload it, for this process's life
 _waiting = threading.local()
 _not_installed: set[str] = set()  # imported modules of no installed distribution, when distributions were read
-_wanted = False  # a job found no template: one is started when it ends (unless stop() came in between)
 
 
 def enabled() -> bool:
@@ -153,16 +153,20 @@ def notebook_libraries() -> list[str]:
     return sorted(names.intersection(_distributions()) - _jupyter_modules())
 
 
-def _imported_modules_of(library: str) -> list[str]:
-    """The modules of ``library`` this process has imported, parents first, less those that hold something of
-    what ranks set up themselves (``tqdm.notebook``: an ipywidgets bar): they would taint the template."""
-    prefix = library + "."
-    return sorted(name for name, module in list(sys.modules.items())
-                  if name.startswith(prefix) and getattr(module, "__spec__", None) is not None
-                  and not _holds_what_ranks_set_up(module))
+def _imported_modules() -> dict[str, list[str]]:
+    """The modules this process has imported below each top-level one, parents first, less those that hold
+    something of what ranks set up themselves (``tqdm.notebook``: an ipywidgets bar): they would taint the
+    template."""
+    found: dict[str, list[str]] = {}
+    for name, module in sorted(list(sys.modules.items())):
+        library, dot, _ = name.partition(".")
+        if dot and getattr(module, "__spec__", None) is not None and not _holds_what_ranks_set_up(name, module):
+            found.setdefault(library, []).append(name)
+    return found
 
 
-def _holds_what_ranks_set_up(module) -> bool:
+@functools.lru_cache(maxsize=None)
+def _holds_what_ranks_set_up(name: str, module) -> bool:
     for value in list(vars(module).values()):
         owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
         if isinstance(owner, str) and owner.partition(".")[0] in forking.RANK_OWN_MODULES:
@@ -302,7 +306,8 @@ class Template:
         returned (None if the template ended, or ``timeout`` passed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            wait = 0.0 if until is None else 0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic()))
+            wait = 0.0 if until is None else 0.1 if deadline is None else \
+                min(0.1, max(0.0, deadline - time.monotonic()))
             if not select.select([self.sock], [], [], wait)[0]:
                 if until is None or (deadline is not None and time.monotonic() > deadline) \
                         or self.proc.poll() is not None:
@@ -345,7 +350,8 @@ class Template:
 
     def usable(self) -> bool:
         """Alive, not tainted, and started from the torch, ddp_notebook and preloaded libraries on disk now (and,
-        once it preloaded any, the environment of now, which they may have read)."""
+        once it preloaded a library of the notebook's, from the environment of now, which it may have read:
+        torch._dynamo reads only variables that the start-time rule covers)."""
         with self.forking:
             self._receive()
         if self.proc.poll() is not None or self.tainted is not None or self.fingerprint != _code_fingerprint():
@@ -354,7 +360,7 @@ class Template:
         if changed:
             log.debug("rank template replaced: %s changed on disk", ", ".join(changed))
             return False
-        if self.asked and self.env != template_environment():
+        if any(name not in FIRST_PRELOADS for name in self.asked) and self.env != template_environment():
             log.debug("rank template replaced: the environment changed since it preloaded libraries")
             return False
         return True
@@ -376,12 +382,15 @@ class Template:
     def preload(self) -> None:
         """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries
         with the modules of theirs the notebook has imported (a library that loads lazily loads little itself)."""
-        steps = []
+        if self.asked and len(sys.modules) == self.modules_when_asked:
+            return  # nothing imported since it last asked (most jobs and cells)
         self.modules_when_asked = len(sys.modules)
+        steps = []
+        modules = _imported_modules()
         for name in (*FIRST_PRELOADS, *notebook_libraries()):
             if name in _left_to_ranks:
                 continue
-            new = [m for m in _imported_modules_of(name) if m not in self.asked_modules]
+            new = [m for m in modules.get(name, ()) if m not in self.asked_modules]
             if name not in self.asked or new:
                 steps.append([name, new])
         if not steps:
@@ -478,14 +487,12 @@ def not_waiting():
 
 
 def for_job() -> "Template | None":
-    """The template to fork a job's ranks from, held for them (:meth:`Template.release` once they are forked); None
-    to start them fresh: templates are off, none is up (a template started now would be no faster: :func:`warm_up`
-    starts one for the next job), or it is not ready and the caller does not wait (:func:`not_waiting`)."""
-    global _current, _wanted
+    """The template to fork a job's ranks from (started now if none is up, and waited for until it has imported
+    what every rank imports), held for them (:meth:`Template.release` once they are forked); None to start them
+    fresh: templates are off or it failed, or it is not ready or is preloading and the caller does not wait
+    (:func:`not_waiting`)."""
+    global _current
     with _lock:
-        if _current is None:
-            _wanted = enabled()
-            return None
         template = warm_up()  # a template that is no longer usable is replaced
         if template is None:
             return None
@@ -502,16 +509,6 @@ def for_job() -> "Template | None":
         template.stop(wait=1.0)
         _current = None
         return None
-
-
-def after_job() -> None:
-    """A job has ended: start the template it found missing, for the next job (not while its ranks imported torch,
-    which it would have slowed down)."""
-    global _wanted
-    with _lock:
-        if _wanted:
-            _wanted = False
-            warm_up()
 
 
 def ready_template() -> "Template | None":
@@ -556,9 +553,8 @@ def left_to_ranks() -> dict[str, str]:
 
 def stop() -> None:
     """Stop the template, if one is up (ranks forked from it are not touched)."""
-    global _current, _wanted
+    global _current
     with _lock:
-        _wanted = False
         if _current is not None:
             _current.stop()
             _current = None

@@ -141,6 +141,13 @@ def _jupyter_modules() -> frozenset[str]:
                      if any(canonicalize_name(d) in seen for d in dists))
 
 
+def _read_distributions() -> None:
+    try:
+        _jupyter_modules()
+    except Exception as exc:  # noqa: BLE001 - read again when needed, where it fails loudly
+        log.debug("installed distributions not read: %s", exc)
+
+
 def notebook_libraries() -> list[str]:
     """The installed libraries this process has imported (top-level modules), beyond the standard library,
     Jupyter's own, what ranks set up themselves and what was left to the ranks: what the template preloads."""
@@ -279,6 +286,8 @@ class Template:
         self.tainted: str | None = None  # the library that made it unfit to fork, and how
         self.forking = threading.RLock()  # one request on the socket at a time
         log.debug("rank template starting: pid %s", self.proc.pid)
+        # Read once it is ready, after a job's HOLD if one came by then: what DDP needs, which no import here shows.
+        self._ask([[name, []] for name in FIRST_PRELOADS])
 
     def _take(self, message: dict) -> None:
         """Note what the template said on its own: ready, or a module preloaded (or left to the ranks)."""
@@ -393,6 +402,9 @@ class Template:
             new = [m for m in modules.get(name, ()) if m not in self.asked_modules]
             if name not in self.asked or new:
                 steps.append([name, new])
+        self._ask(steps)
+
+    def _ask(self, steps: list[list]) -> None:
         if not steps:
             return
         with self.forking:
@@ -472,6 +484,8 @@ def warm_up() -> "Template | None":
             except OSError as exc:
                 log.debug("rank template not started: %s", exc)
                 return None
+            if _jupyter_modules.cache_info().currsize == 0:  # read while it imports (0.2 s; the job waits anyway)
+                threading.Thread(target=_read_distributions, name="ddp_notebook-distributions", daemon=True).start()
         return _current
 
 

@@ -109,9 +109,13 @@ def _where_on_disk(name: str) -> tuple:
 
 @functools.lru_cache(maxsize=1)
 def _distributions() -> dict[str, list[str]]:
+    """Top-level module -> the installed distributions that provide it (about 0.2 s to read)."""
     from importlib import metadata
 
-    return metadata.packages_distributions()
+    imported = {name.partition(".")[0] for name in list(sys.modules)}
+    found = metadata.packages_distributions()
+    _not_installed.update(imported - set(found))  # imported by now, and of no distribution
+    return found
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,15 +152,15 @@ def _read_distributions() -> None:
         log.debug("installed distributions not read: %s", exc)
 
 
-def notebook_libraries() -> list[str]:
+def notebook_libraries(read_again: bool = True) -> list[str]:
     """The installed libraries this process has imported (top-level modules), beyond the standard library,
-    Jupyter's own, what ranks set up themselves and what was left to the ranks: what the template preloads."""
+    Jupyter's own, what ranks set up themselves and what was left to the ranks: what the template preloads.
+    ``read_again``: read the installed distributions again when a module imported since is of none known."""
     names = {name.partition(".")[0] for name in list(sys.modules)}
     names = {n for n in names if not n.startswith("_") and n not in sys.stdlib_module_names
              and n not in forking.RANK_OWN_MODULES and n not in _left_to_ranks and n != "ddp_notebook"}
-    if names - set(_distributions()) - _not_installed:
-        _distributions.cache_clear()  # perhaps installed since it was read (or a module of no distribution)
-        _not_installed.update(names - set(_distributions()))
+    if read_again and names - set(_distributions()) - _not_installed:
+        _distributions.cache_clear()  # perhaps installed since (pip in the notebook), or a module of no distribution
     return sorted(names.intersection(_distributions()) - _jupyter_modules())
 
 
@@ -386,17 +390,18 @@ class Template:
                 forking.send(self.sock, {"kind": forking.GO_ON})
             except OSError:
                 return  # it died: the next job replaces it
-        self.preload()
+        self.preload(read_again=False)  # (the job is starting: a new library waits for the next cell)
 
-    def preload(self) -> None:
+    def preload(self, read_again: bool = True) -> None:
         """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries
-        with the modules of theirs the notebook has imported (a library that loads lazily loads little itself)."""
+        with the modules of theirs the notebook has imported (a library that loads lazily loads little itself).
+        ``read_again``: see :func:`notebook_libraries`."""
         if self.asked and len(sys.modules) == self.modules_when_asked:
             return  # nothing imported since it last asked (most jobs and cells)
         self.modules_when_asked = len(sys.modules)
         steps = []
         modules = _imported_modules()
-        for name in (*FIRST_PRELOADS, *notebook_libraries()):
+        for name in (*FIRST_PRELOADS, *notebook_libraries(read_again)):
             if name in _left_to_ranks:
                 continue
             new = [m for m in modules.get(name, ()) if m not in self.asked_modules]
@@ -461,6 +466,8 @@ class Template:
         except OSError:
             pass
         self.sock.close()
+        if self.ready and self.unanswered > 0 and self.proc.poll() is None:
+            self.proc.terminate()  # it reads STOP only between imports, and holds nothing: not worth waiting for
         try:
             self.proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:

@@ -93,13 +93,16 @@ def _read_some(fd: int) -> bytes:
 
 
 def _reap(statuses: dict[int, int]) -> None:
-    while statuses:
+    """Write the exit code of each rank that has ended to its status pipe.  The SIGCHLD handler calls it too, so
+    that a rank's end reaches the notebook while a preload imports; only ranks already noted are waited for (a
+    rank forked a moment ago waits for the loop, which notes it first)."""
+    for pid in list(statuses):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by a call this one interrupted
+            continue
+        if done == 0:
+            continue
         fd = statuses.pop(pid, None)
         if fd is not None:
             try:
@@ -232,7 +235,7 @@ def main() -> None:
     os.set_blocking(child_ended, False)
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
+    signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(statuses))  # (also wakes the loop, through the pipe)
     threads_before = threads_at_a_fork()
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
     to_preload: collections.deque[tuple[str, list[str]]] = collections.deque()  # (library, its modules)

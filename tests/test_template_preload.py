@@ -6,6 +6,7 @@ dist-info) in a folder the kernel puts on its ``sys.path``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -246,3 +247,47 @@ def test_what_the_template_preloads_is_installed_libraries_beyond_the_stdlib_jup
         assert name not in wanted
     assert all(not name.startswith("_") for name in wanted)
     assert sys.modules["psutil"]
+
+
+# A library whose import in the rank template waits until the test lets it go (a file appears); anywhere else it
+# imports at once.
+_HELD_IN_THE_TEMPLATE = textwrap.dedent("""
+    import os, sys, time
+    __version__ = "1.0"
+    if "ddp_notebook.rank.template" in sys.orig_argv:
+        go = os.path.join(os.path.dirname(__file__), "go")
+        deadline = time.monotonic() + 250
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.02)
+""")
+
+
+def _exits_and_pid():
+    import os
+
+    return os.getppid()
+
+
+def test_a_job_ends_while_the_template_is_still_importing_a_library(tmp_path, monkeypatch, caplog, no_leftovers):
+    _install(tmp_path, "ddpnb_fake_held", _HELD_IN_THE_TEMPLATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ddp_notebook
+
+    import ddpnb_fake_held  # noqa: F401  the notebook has imported it: the template is asked for it after the forks
+
+    template.stop()
+    started = template.ready_template()
+    assert started.wait_preloaded()  # torch._dynamo: done
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ddp_notebook"):
+            parents = ddp_notebook.launch(_exits_and_pid, cpus=2)
+        # The job has ended, each rank's exit code reported by the template, while the template still imports.
+        assert parents == [started.proc.pid] * 2
+        assert {"rank 0 exited with 0", "rank 1 exited with 0"} <= {r.getMessage() for r in caplog.records}
+        assert "ddpnb_fake_held" in started.asked and "ddpnb_fake_held" not in started.preloaded
+        assert not started.wait_preloaded(timeout=0)
+    finally:
+        (tmp_path / "go").write_text("")
+    assert started.wait_preloaded() and "ddpnb_fake_held" in started.preloaded
+    template.stop()
+    sys.modules.pop("ddpnb_fake_held", None)

@@ -68,9 +68,15 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext ddp_notebook``: register the ``%%ddp`` magics and start the rank template in the background."""
+    import importlib
+    import threading
+
     from .engine import template
     from .notebook.magic import register
 
     register(ipython)
     template.warm_up()  # ranks fork from it: the first cell need not wait for torch to import
+    # The Stop button a background cell shows at once: imported now, on a thread (0.26 s), not in that cell.
+    threading.Thread(target=importlib.import_module, args=("ipywidgets",), name="ddp_notebook-widgets",
+                     daemon=True).start()
     ipython.events.register("post_run_cell", template.preload_notebook_libraries)  # what the cell imported

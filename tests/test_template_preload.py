@@ -274,6 +274,7 @@ def test_a_job_ends_while_the_template_is_still_importing_a_library(tmp_path, mo
     import ddp_notebook
 
     import ddpnb_fake_held  # noqa: F401  the notebook has imported it: the template is asked for it after the forks
+    assert "ddpnb_fake_held" in template.notebook_libraries()  # (known installed, as a cell's end would have read)
 
     template.stop()
     started = template.ready_template()

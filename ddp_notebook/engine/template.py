@@ -145,7 +145,9 @@ def _jupyter_modules() -> frozenset[str]:
                      if any(canonicalize_name(d) in seen for d in dists))
 
 
-def _read_distributions() -> None:
+def read_installed() -> None:
+    """Read which distributions are installed (about 0.2 s), e.g. on a thread as the extension loads, so that no
+    cell or job pays for it; until then a job's ranks forked asks the template for no library of the notebook's."""
     try:
         _jupyter_modules()
     except Exception as exc:  # noqa: BLE001 - read again when needed, where it fails loudly
@@ -155,7 +157,10 @@ def _read_distributions() -> None:
 def notebook_libraries(read_again: bool = True) -> list[str]:
     """The installed libraries this process has imported (top-level modules), beyond the standard library,
     Jupyter's own, what ranks set up themselves and what was left to the ranks: what the template preloads.
-    ``read_again``: read the installed distributions again when a module imported since is of none known."""
+    ``read_again``: read the installed distributions (again, when a module imported since is of none known);
+    without it, none until they were read (:func:`read_installed`)."""
+    if not read_again and _distributions.cache_info().currsize == 0:
+        return []
     names = {name.partition(".")[0] for name in list(sys.modules)}
     names = {n for n in names if not n.startswith("_") and n not in sys.stdlib_module_names
              and n not in forking.RANK_OWN_MODULES and n not in _left_to_ranks and n != "ddp_notebook"}
@@ -491,8 +496,6 @@ def warm_up() -> "Template | None":
             except OSError as exc:
                 log.debug("rank template not started: %s", exc)
                 return None
-            if _jupyter_modules.cache_info().currsize == 0:  # read while it imports (0.2 s; the job waits anyway)
-                threading.Thread(target=_read_distributions, name="ddp_notebook-distributions", daemon=True).start()
         return _current
 
 

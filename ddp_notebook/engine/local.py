@@ -67,9 +67,13 @@ class LocalRanks(ChannelRanks):
             elif self.port is None:
                 self.port = spec.port or free_port(spec.master_addr)
             self.channel = ChannelServer(spec.master_addr)
-            template = rank_template.ready_template()
-            for rank in range(spec.world_size):
-                self._start_rank(rank, store_sock, template)
+            template = rank_template.for_job()
+            try:
+                for rank in range(spec.world_size):
+                    self._start_rank(rank, store_sock, template)
+            finally:
+                if template is not None:
+                    template.release()
         finally:
             if store_sock is not None:
                 store_sock.close()  # rank 0 holds its own copy

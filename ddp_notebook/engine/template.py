@@ -6,14 +6,27 @@ share its pages.  The template (``python -m ddp_notebook.rank.template``) never
 touches CUDA, so CUDA used in the kernel does not matter; each rank takes its
 own session, pipes, environment, directory and ``sys.path`` of the moment it
 is forked.  The template is started in the background (when the extension
-loads, or at the first launch) and replaced when torch or ddp_notebook changed
-on disk or it died; it goes with the kernel, with ``%ddp_stop`` and
-:func:`stop`.  ``DDP_NOTEBOOK_TEMPLATE=0`` turns it off: every rank is then a
-fresh ``python -m ddp_notebook.rank.worker``.
+loads, or at the first launch) and replaced when torch,
+ddp_notebook or a library it preloaded changed on disk, or it died; it goes
+with the kernel, with ``%ddp_stop`` and :func:`stop`.
+``DDP_NOTEBOOK_TEMPLATE=0`` turns it off: every rank is then a fresh
+``python -m ddp_notebook.rank.worker``.
+
+Once ready it preloads, one module at a time between fork requests,
+``torch._dynamo`` and the libraries the notebook has imported
+(:func:`notebook_libraries`), after each job's ranks are forked and after
+each cell.  A library that fails to import or leaves the template unfit to
+fork (a thread, CUDA) is left to the ranks, named in the debug log; a template
+it tainted is replaced.  A job's ranks wait for what every rank imports and
+at most for the one library being preloaded when the job came, and never for
+a template that is not ready (or preloading) when the job cannot wait
+(:func:`not_waiting`): they start fresh then.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import logging
 import os
 import select
@@ -23,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 from ..wire import forking
 from ..wire.channel import ready_now
@@ -32,14 +46,22 @@ log = logging.getLogger("ddp_notebook")
 READY_TIMEOUT_S = 60.0
 # Variables read when an interpreter or torch starts: a rank whose value differs from the template's is started
 # fresh, as the fork would not see them.
-_READ_AT_START = ("LD_", "PYTHON", "MALLOC_", "MKL_", "KMP_", "GOMP_", "OMP_", "TORCH_", "DDP_NOTEBOOK_TEMPLATE")
+_READ_AT_START = ("LD_", "PYTHON", "MALLOC_", "MKL_", "KMP_", "GOMP_", "OMP_", "TORCH", "DDP_NOTEBOOK_TEMPLATE")
 _SET_PER_RANK = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
 
 # The package's folder, from this file's place in it (importing the package root here would be an import loop).
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# What a rank's first DistributedDataParallel(...) imports (about 1 s, 800 modules and 70 MB): the first preloads.
+FIRST_PRELOADS = ("torch._dynamo", "torch.nn.parallel")
+# The distributions whose modules are Jupyter's own, with everything they require: never preloaded.
+JUPYTER_DISTRIBUTIONS = ("ipykernel", "ipywidgets", "jupyter_client", "jupyter_core", "comm")
+
 _lock = threading.RLock()
 _current: "Template | None" = None
+_left_to_ranks: dict[str, str] = {}  # library -> why the template does not preload it, for this process's life
+_waiting = threading.local()
+_not_installed: set[str] = set()  # imported modules of no installed distribution, when distributions were read
 
 
 def enabled() -> bool:
@@ -64,6 +86,108 @@ def _code_fingerprint() -> tuple:
         except OSError:
             stamps.append((name, None))
     return tuple(stamps)
+
+
+def _where_on_disk(name: str) -> tuple:
+    """The file ``import name`` would load now (past ``sys.modules``), and its size and time: a library's stamp."""
+    origin = None
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        try:
+            spec = find(name, None) if find is not None else None
+        except (ImportError, ValueError, AttributeError):
+            continue
+        if spec is not None:
+            origin = spec.origin
+            break
+    try:
+        st = os.stat(origin)
+    except (OSError, TypeError):
+        return (origin, None)
+    return (origin, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    """Top-level module -> the installed distributions that provide it (about 0.2 s to read)."""
+    from importlib import metadata
+
+    imported = {name.partition(".")[0] for name in list(sys.modules)}
+    found = metadata.packages_distributions()
+    _not_installed.update(imported - set(found))  # imported by now, and of no distribution
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _jupyter_modules() -> frozenset[str]:
+    """The top-level modules of Jupyter's distributions and of every distribution they require."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = list(JUPYTER_DISTRIBUTIONS)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            required = Requirement(line)
+            if required.marker is None or required.marker.evaluate({"extra": ""}):
+                todo.append(required.name)
+    return frozenset(module for module, dists in _distributions().items()
+                     if any(canonicalize_name(d) in seen for d in dists))
+
+
+def read_installed() -> None:
+    """Read which distributions are installed (about 0.2 s), e.g. on a thread as the extension loads, so that no
+    cell or job pays for it; until then a job's ranks forked asks the template for no library of the notebook's."""
+    try:
+        _jupyter_modules()
+    except Exception as exc:  # noqa: BLE001 - read again when needed, where it fails loudly
+        log.debug("installed distributions not read: %s", exc)
+
+
+def notebook_libraries(read_again: bool = True) -> list[str]:
+    """The installed libraries this process has imported (top-level modules), beyond the standard library,
+    Jupyter's own, what ranks set up themselves and what was left to the ranks: what the template preloads.
+    ``read_again``: read the installed distributions (again, when a module imported since is of none known);
+    without it, none until they were read (:func:`read_installed`)."""
+    if not read_again and _distributions.cache_info().currsize == 0:
+        return []
+    names = {name.partition(".")[0] for name in list(sys.modules)}
+    names = {n for n in names if not n.startswith("_") and n not in sys.stdlib_module_names
+             and n not in forking.RANK_OWN_MODULES and n not in _left_to_ranks and n != "ddp_notebook"}
+    if read_again and names - set(_distributions()) - _not_installed:
+        _distributions.cache_clear()  # perhaps installed since (pip in the notebook), or a module of no distribution
+    return sorted(names.intersection(_distributions()) - _jupyter_modules())
+
+
+def _imported_modules() -> dict[str, list[str]]:
+    """The modules this process has imported below each top-level one, parents first, less those that hold
+    something of what ranks set up themselves (``tqdm.notebook``: an ipywidgets bar): they would taint the
+    template."""
+    found: dict[str, list[str]] = {}
+    for name, module in sorted(list(sys.modules.items())):
+        library, dot, _ = name.partition(".")
+        if dot and getattr(module, "__spec__", None) is not None and not _holds_what_ranks_set_up(name, module):
+            found.setdefault(library, []).append(name)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _holds_what_ranks_set_up(name: str, module) -> bool:
+    for value in list(vars(module).values()):
+        owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(owner, str) and owner.partition(".")[0] in forking.RANK_OWN_MODULES:
+            return True
+    return False
 
 
 def _find_torch() -> str | None:
@@ -163,28 +287,149 @@ class Template:
         finally:
             theirs.close()
         self.ready = False
-        self.forking = threading.Lock()  # one request on the socket at a time
+        self.asked: dict[str, tuple] = {}  # library sent to preload -> its stamp then (see _where_on_disk)
+        self.asked_modules: set[str] = set()  # the libraries and their modules sent
+        self.unanswered = 0
+        self.modules_when_asked = 0  # how many modules the notebook had when it last asked
+        self.preloaded: list[str] = []
+        self.tainted: str | None = None  # the library that made it unfit to fork, and how
+        self.forking = threading.RLock()  # one request on the socket at a time
         log.debug("rank template starting: pid %s", self.proc.pid)
+        # Read once it is ready, after a job's HOLD if one came by then: what DDP needs, which no import here shows.
+        self._ask([[name, []] for name in FIRST_PRELOADS])
+
+    def _take(self, message: dict) -> None:
+        """Note what the template said on its own: ready, or a module preloaded (or left to the ranks)."""
+        kind = message.get("kind")
+        if kind == forking.READY:
+            self.ready = True
+            log.debug("rank template ready: pid %s", self.proc.pid)
+        elif kind == forking.PRELOADED:
+            module = message["module"]
+            self.unanswered -= 1
+            if "error" not in message:
+                self.preloaded.append(module)
+                skipped = message.get("skipped")
+                log.debug("rank template preloaded %s%s", module,
+                          f" (not {', '.join(skipped)}: left to the ranks)" if skipped else "")
+                return
+            _left_to_ranks[module] = message["error"]
+            log.debug("rank template: %s left to the ranks (%s)", module, message["error"])
+            if message.get("tainted"):
+                self.tainted = f"{module} {message['error']}"
+                log.debug("rank template pid %s tainted by %s: replaced", self.proc.pid, self.tainted)
+
+    def _receive(self, until: str | None = None, timeout: float | None = None) -> dict | None:
+        """Read the template's messages: those there now (``until`` None), or up to one of kind ``until``, which is
+        returned (None if the template ended, or ``timeout`` passed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.0 if until is None else 0.1 if deadline is None else \
+                min(0.1, max(0.0, deadline - time.monotonic()))
+            if not select.select([self.sock], [], [], wait)[0]:
+                if until is None or (deadline is not None and time.monotonic() > deadline) \
+                        or self.proc.poll() is not None:
+                    return None
+                continue
+            try:
+                received = forking.receive(self.sock)
+            except OSError:
+                received = None
+            if received is None:
+                return None
+            message, fds = received
+            for fd in fds.values():
+                os.close(fd)
+            if until is not None and message.get("kind") == until:
+                return message
+            self._take(message)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
         """Wait until the template has imported what ranks need; False if it died or took too long."""
-        if self.ready:
-            return self.proc.poll() is None
+        with self.forking:
+            if not self.ready:
+                self._receive()
+            if not self.ready and timeout > 0 and self._receive(forking.READY, timeout) is not None:
+                self._take({"kind": forking.READY})
+            return self.ready and self.proc.poll() is None
+
+    def wait_preloaded(self, timeout: float = READY_TIMEOUT_S) -> bool:
+        """Wait until the template has answered every preload asked of it (or is tainted); False if it died or
+        took too long."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            ready, _, _ = select.select([self.sock], [], [], 0.1)
-            if ready:
-                received = forking.receive(self.sock)
-                if received is not None and received[0].get("kind") == forking.READY:
-                    self.ready = True
-                    log.debug("rank template ready: pid %s", self.proc.pid)
-                    return True
-                break
-        return False
+        with self.forking:
+            self._receive()
+            while self.tainted is None and self.unanswered > 0:
+                message = self._receive(forking.PRELOADED, max(0.0, deadline - time.monotonic()))
+                if message is None:
+                    return False
+                self._take(message)
+        return True
 
     def usable(self) -> bool:
-        """Ready, alive, and started from the torch and ddp_notebook on disk now."""
-        return self.proc.poll() is None and self.fingerprint == _code_fingerprint()
+        """Alive, not tainted, and started from the torch, ddp_notebook and preloaded libraries on disk now (and,
+        once it preloaded a library of the notebook's, from the environment of now, which it may have read:
+        torch._dynamo reads only variables that the start-time rule covers)."""
+        with self.forking:
+            self._receive()
+        if self.proc.poll() is not None or self.tainted is not None or self.fingerprint != _code_fingerprint():
+            return False
+        changed = [name for name, stamp in self.asked.items() if "." not in name and _where_on_disk(name) != stamp]
+        if changed:
+            log.debug("rank template replaced: %s changed on disk", ", ".join(changed))
+            return False
+        if any(name not in FIRST_PRELOADS for name in self.asked) and self.env != template_environment():
+            log.debug("rank template replaced: the environment changed since it preloaded libraries")
+            return False
+        return True
+
+    def hold(self) -> None:
+        """A job's ranks are coming: the template imports nothing between their forks (until :meth:`release`)."""
+        with self.forking:
+            forking.send(self.sock, {"kind": forking.HOLD})
+
+    def release(self) -> None:
+        """The job's ranks are forked: the template goes on preloading, now with the notebook's new libraries."""
+        with self.forking:
+            try:
+                forking.send(self.sock, {"kind": forking.GO_ON})
+            except OSError:
+                return  # it died: the next job replaces it
+        self.preload(read_again=False)  # (the job is starting: a new library waits for the next cell)
+
+    def preload(self, read_again: bool = True) -> None:
+        """Ask the template to import what it has not been asked yet: ``torch._dynamo``, the notebook's libraries
+        with the modules of theirs the notebook has imported (a library that loads lazily loads little itself).
+        ``read_again``: see :func:`notebook_libraries`."""
+        if self.asked and len(sys.modules) == self.modules_when_asked:
+            return  # nothing imported since it last asked (most jobs and cells)
+        self.modules_when_asked = len(sys.modules)
+        steps = []
+        modules = _imported_modules()
+        for name in (*FIRST_PRELOADS, *notebook_libraries(read_again)):
+            if name in _left_to_ranks:
+                continue
+            new = [m for m in modules.get(name, ()) if m not in self.asked_modules]
+            if name not in self.asked or new:
+                steps.append([name, new])
+        self._ask(steps)
+
+    def _ask(self, steps: list[list]) -> None:
+        if not steps:
+            return
+        with self.forking:
+            for name, modules in steps:
+                if name not in self.asked:
+                    self.asked[name] = _where_on_disk(name) if "." not in name else ()
+                self.asked_modules.update([name, *modules])
+            try:
+                forking.send(self.sock, {"kind": forking.PRELOAD, "modules": steps,
+                                         "sys_path": [p if p else os.getcwd() for p in sys.path]})
+            except OSError:
+                return
+            self.unanswered += len(steps)
+        log.debug("rank template asked to preload %s", ", ".join(
+            f"{name} ({len(modules)} modules)" if modules else name for name, modules in steps))
 
     def fork(self, boot: dict, env: dict[str, str], cwd: str, store_fd: int | None) -> ForkedProcess | None:
         """Fork one rank; None when its environment differs from the template's in what is read at start."""
@@ -202,7 +447,7 @@ class Template:
         try:
             with self.forking:
                 forking.send(self.sock, {"kind": forking.FORK, "boot": boot, "env": env, "cwd": cwd}, fds)
-                received = forking.receive(self.sock)
+                received = self._receive(forking.FORKED)
         except BaseException:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
@@ -210,11 +455,14 @@ class Template:
         finally:
             for fd in (out_w, err_w, status_w, lifeline_r):
                 os.close(fd)
-        if received is None or "pid" not in received[0]:
+        if received is None or "pid" not in received:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
-            raise OSError(f"the rank template could not fork a rank: {received and received[0].get('error')}")
-        return ForkedProcess(received[0]["pid"], status_r, lifeline_w, open(out_r, "rb", buffering=0),
+            if received is not None and self.tainted is not None:  # by a preload that ended as the job came
+                log.debug("rank started fresh: the template is tainted by %s", self.tainted)
+                return None
+            raise OSError(f"the rank template could not fork a rank: {received and received.get('error')}")
+        return ForkedProcess(received["pid"], status_r, lifeline_w, open(out_r, "rb", buffering=0),
                              open(err_r, "rb", buffering=0))
 
     def stop(self, wait: float = 5.0) -> None:
@@ -223,6 +471,8 @@ class Template:
         except OSError:
             pass
         self.sock.close()
+        if self.ready and self.unanswered > 0 and self.proc.poll() is None:
+            self.proc.terminate()  # it reads STOP only between imports, and holds nothing: not worth waiting for
         try:
             self.proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
@@ -249,6 +499,42 @@ def warm_up() -> "Template | None":
         return _current
 
 
+@contextlib.contextmanager
+def not_waiting():
+    """Jobs started within never wait for a template that is not ready: their ranks start fresh."""
+    before = getattr(_waiting, "off", False)
+    _waiting.off = True
+    try:
+        yield
+    finally:
+        _waiting.off = before
+
+
+def for_job() -> "Template | None":
+    """The template to fork a job's ranks from (started now if none is up, and waited for until it has imported
+    what every rank imports), held for them (:meth:`Template.release` once they are forked); None to start them
+    fresh: templates are off or it failed, or it is not ready or is preloading and the caller does not wait
+    (:func:`not_waiting`)."""
+    global _current
+    with _lock:
+        template = warm_up()  # a template that is no longer usable is replaced
+        if template is None:
+            return None
+        if getattr(_waiting, "off", False) and (not template.wait_ready(timeout=0) or template.unanswered):
+            log.debug("rank template not ready or preloading: ranks start fresh")
+            return None
+        try:
+            template.hold()
+            if template.wait_ready():
+                return template
+        except OSError:  # it died as the job came
+            pass
+        log.debug("rank template failed to start: ranks start fresh")
+        template.stop(wait=1.0)
+        _current = None
+        return None
+
+
 def ready_template() -> "Template | None":
     """A template ready to fork from (started now and waited for, if need be); None if off or it failed."""
     global _current
@@ -262,6 +548,31 @@ def ready_template() -> "Template | None":
         template.stop(wait=1.0)
         _current = None
         return None
+
+
+def preload_notebook_libraries(*_) -> None:
+    """After a cell (IPython's ``post_run_cell``): a ready template preloads the libraries the notebook imported."""
+    with _lock:
+        template = _current
+        if template is None or not enabled() or (template.asked and template.tainted is None
+                                                  and len(sys.modules) == template.modules_when_asked):
+            return  # (the cheap test first: nothing imported since; most cells)
+        try:
+            template = warm_up()  # a tainted or outdated template is replaced
+            if template is not None and template.wait_ready(timeout=0):
+                template.preload()
+        except OSError as exc:  # never the cell's concern
+            log.debug("rank template: no preload after the cell: %s", exc)
+
+
+def current() -> "Template | None":
+    """The template, if one was started (ready or not)."""
+    return _current
+
+
+def left_to_ranks() -> dict[str, str]:
+    """The libraries the template does not preload, and why (they failed to import, or tainted a template)."""
+    return dict(_left_to_ranks)
 
 
 def stop() -> None:

@@ -628,7 +628,8 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
 
     job.on_done.append(finished)
     try:
-        api.start_job(job)
+        with rank_template.not_waiting():  # the cell returns at once: fresh ranks if the template is not ready
+            api.start_job(job)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     dashboard.attach(job)  # shown now, under this cell, with a Stop button

@@ -1,22 +1,31 @@
 """The rank template: ``python -m ddp_notebook.rank.template FD PID``, a process ranks are forked from.
 
 It imports what every rank imports (torch, numpy, cloudpickle, the rank side
-of ddp_notebook) once and never touches CUDA, then waits on its socket
-(``FD``, one end of a socket pair whose other end the notebook, process
-``PID``, holds) for requests to fork a rank.  It ends as soon as the notebook
-goes, at any moment: while it imports (seconds), a thread watches for that,
-and the thread has ended before the first rank is forked.  A forked rank
+of ddp_notebook) once and never touches CUDA, says it is ready, then waits on
+its socket (``FD``, one end of a socket pair whose other end the notebook,
+process ``PID``, holds) for requests to fork a rank.  It ends as soon as the
+notebook goes, at any moment: while it imports (seconds), a thread watches for
+that, and the thread has ended before the first rank is forked.  A forked rank
 takes its own session, output pipes, environment, working directory and
 ``sys.path`` before it runs anything of the job
 (:func:`~ddp_notebook.rank.worker.forked_main`).
 The template reaps its ranks and writes each one's exit code to the rank's
-status pipe.  It also ends when the notebook says so.  Rank side: no
-IPython, ipywidgets or matplotlib here.
+status pipe.  It also ends when the notebook says so.
+
+Between requests it preloads what the notebook asks for (``torch._dynamo``,
+the libraries the notebook imported), one module at a time, so that a rank
+never waits for more than one import; a job's ranks hold it (``HOLD`` ...
+``GO_ON``) while they are forked.  A module that leaves the template unfit to
+fork (a thread, CUDA, a module ranks set up themselves) taints it: it says so
+and forks no rank any more.  Rank side: no IPython, ipywidgets or matplotlib
+here.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
+import importlib
 import os
 import select
 import signal
@@ -84,13 +93,16 @@ def _read_some(fd: int) -> bytes:
 
 
 def _reap(statuses: dict[int, int]) -> None:
-    while statuses:
+    """Write the exit code of each rank that has ended to its status pipe.  The SIGCHLD handler calls it too, so
+    that a rank's end reaches the notebook while a preload imports; only ranks already noted are waited for (a
+    rank forked a moment ago waits for the loop, which notes it first)."""
+    for pid in list(statuses):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by a call this one interrupted
+            continue
+        if done == 0:
+            continue
         fd = statuses.pop(pid, None)
         if fd is not None:
             try:
@@ -139,6 +151,66 @@ def _end_when_the_notebook_goes(sock: socket.socket, notebook: int) -> Callable[
     return done
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))  # native threads too, which threading does not list
+
+
+def threads_at_a_fork() -> int:
+    """This process's threads once its libraries' fork handlers have run, as a fork finds them (a BLAS pool stops
+    for a fork and starts again when next used): a child that ends at once is forked to run them."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return _threads()
+
+
+def taint(threads_before: int) -> str | None:
+    """Why this process can no longer fork ranks safely (a fork copies only the calling thread; a rank must start
+    without CUDA), or None.  ``threads_before``: what :func:`threads_at_a_fork` said before."""
+    threads = threading.active_count() - 1
+    if not threads and _threads() > threads_before:
+        threads = threads_at_a_fork() - threads_before
+    if threads > 0:
+        return f"started {threads} thread{'s' if threads > 1 else ''}"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "initialised CUDA"
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/nvidia"):
+            return f"opened {target}"
+    from ..wire.forking import RANK_OWN_MODULES
+
+    imported = [name for name in RANK_OWN_MODULES if name in sys.modules]
+    if imported:
+        return f"imported {', '.join(imported)}, which ranks set up themselves"
+    return None
+
+
+def _preload(name: str, modules: list[str], sys_path: list[str], threads_before: int) -> dict:
+    """Import library ``name`` and those of its ``modules`` that import here (the rest are the ranks' to import)."""
+    sys.path[:] = sys_path  # the notebook's: where it imports from (a rank takes the one of its start)
+    try:
+        library = importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 - even SystemExit: the ranks import it themselves
+        result = {"module": name, "error": f"{type(exc).__name__}: {exc}".strip()}
+    else:
+        result = {"module": name, "file": getattr(library, "__file__", None)}
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except BaseException:  # noqa: BLE001 - one the notebook made by other means, or that needs it
+                result.setdefault("skipped", []).append(module)
+    tainted = taint(threads_before)
+    if tainted:
+        result.update(error=tainted, tainted=True)
+    return result
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))  # argv: FD PID
     parent = int(sys.argv[2])
@@ -154,12 +226,6 @@ def main() -> None:
     from ..wire import channel, forking, payload, sharing  # noqa: F401
     from . import checkpoint, context, data, metrics, worker  # noqa: F401
 
-    try:  # what a rank's first DistributedDataParallel(...) imports: about 1 s, 800 modules and 70 MB, once
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-    except Exception:  # noqa: BLE001 - a rank imports them itself then
-        pass
-
     stop_watching()  # the loop below watches for the notebook itself
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
     _settle_heap()
@@ -169,10 +235,16 @@ def main() -> None:
     os.set_blocking(child_ended, False)
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so that the signal wakes the pipe
+    signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(statuses))  # (also wakes the loop, through the pipe)
+    threads_before = threads_at_a_fork()
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
+    to_preload: collections.deque[tuple[str, list[str]]] = collections.deque()  # (library, its modules)
+    preload_path = list(sys.path)
+    held = False  # a job's ranks are being forked: no import in between
+    tainted = None  # what a preload did that makes forks unsafe
     while True:
-        readable, _, _ = select.select([sock, child_ended], [], [], LOOK_FOR_THE_NOTEBOOK_S)
+        busy = bool(to_preload) and not held and tainted is None
+        readable, _, _ = select.select([sock, child_ended], [], [], 0 if busy else LOOK_FOR_THE_NOTEBOOK_S)
         if child_ended in readable:
             while _read_some(child_ended):
                 pass
@@ -180,6 +252,12 @@ def main() -> None:
         if os.getppid() != parent:
             break  # the notebook is gone
         if sock not in readable:
+            if busy:
+                done = _preload(*to_preload.popleft(), preload_path, threads_before)
+                tainted = tainted or (done["error"] if done.get("tainted") else None)
+                forking.send(sock, {"kind": forking.PRELOADED, **done})
+                if not to_preload:
+                    _settle_heap()
             continue
         try:
             received = forking.receive(sock)
@@ -190,14 +268,22 @@ def main() -> None:
         request, fds = received
         if request["kind"] == forking.STOP:
             break
-        try:
-            pid = _fork_rank(sock, request, dict(fds), statuses, (child_ended, wake))
-        except OSError as exc:
-            os.close(fds.pop("status"))
-            forking.send(sock, {"kind": forking.FORKED, "error": str(exc)})
+        if request["kind"] in (forking.HOLD, forking.GO_ON):
+            held = request["kind"] == forking.HOLD
+        elif request["kind"] == forking.PRELOAD:
+            to_preload.extend(request["modules"])
+            preload_path = request["sys_path"]
+        elif tainted is not None:
+            forking.send(sock, {"kind": forking.FORKED, "error": f"the template is tainted: {tainted}"})
         else:
-            statuses[pid] = fds.pop("status")
-            forking.send(sock, {"kind": forking.FORKED, "pid": pid})
+            try:
+                pid = _fork_rank(sock, request, dict(fds), statuses, (child_ended, wake))
+            except OSError as exc:
+                os.close(fds.pop("status"))
+                forking.send(sock, {"kind": forking.FORKED, "error": str(exc)})
+            else:
+                statuses[pid] = fds.pop("status")
+                forking.send(sock, {"kind": forking.FORKED, "pid": pid})
         for fd in fds.values():
             os.close(fd)
     for fd in statuses.values():

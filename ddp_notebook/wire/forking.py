@@ -12,10 +12,19 @@ import struct
 
 _HEADER = struct.Struct("!I")
 MAX_FDS = 8
-READY = "ready"  # the template has imported what ranks need
+READY = "ready"  # the template has imported what every rank needs
 FORK = "fork"  # start one rank: {"boot", "env", "cwd", "fds"}
 FORKED = "forked"  # {"pid"} or {"error"}
+HOLD = "hold"  # a job's ranks are coming: import nothing more until GO_ON
+GO_ON = "go_on"
+PRELOAD = "preload"  # import these libraries, one at a time between requests: {"modules": [[library, [its
+#                      modules]], ...], "sys_path"}
+PRELOADED = "preloaded"  # one library done: {"module", "file", "skipped": [modules]}, or {"module", "error"} (not
+#                          imported, or imported and the template tainted: {"tainted": True}; it forks no more)
 STOP = "stop"
+# A rank sets these up itself, from its own environment (matplotlib reads MPLBACKEND at import): the template never
+# preloads them, and a library that imports them is left to the ranks.
+RANK_OWN_MODULES = ("IPython", "ipykernel", "ipywidgets", "matplotlib")
 
 
 def send(sock: socket.socket, message: dict, fds: dict[str, int] | None = None) -> None:

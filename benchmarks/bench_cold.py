@@ -1,0 +1,315 @@
+"""Cold jobs: what a job's ranks wait for before they run (issue 30), written to benchmarks/RESULTS_cold.md.
+
+    python benchmarks/bench_cold.py [--repeats 8] [--before PATH]
+
+Three parts, contenders alternating (the order rotating every repeat), medians:
+
+- a fresh script: ``launch()`` of the trivial job in a fresh python against torchrun, ``python -c "import torch"``,
+  and, from a live process, ``launch()`` with the template warm and accelerate's ``notebook_launcher``;
+- a kernel that has imported transformers and built a tiny BERT: a cold ``launch()`` and a ``%%ddp --cpus 2`` cell of
+  a function that builds the same BERT on 2 ranks, against ``notebook_launcher`` in the same kernel;
+- a ``%%ddp --background`` cell right after ``%load_ext ddp_notebook`` in a fresh kernel, timed from the client.
+
+``--before PATH``: a folder holding an older ``ddp_notebook`` (e.g. ``git archive BASE ddp_notebook | tar -x -C
+PATH``), measured alongside as "before" in the fresh-script and background parts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+from jupyter_client.manager import start_new_kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import run  # noqa: E402  (its contenders: a fresh process per run, or one call in a live process)
+
+ROOT = os.path.dirname(HERE)
+
+
+class Before(run.Process):
+    """A fresh process that imports the older ddp_notebook in ``path``."""
+
+    def __init__(self, name, command, tmp, path):
+        super().__init__(name, command, tmp)
+        self.path = path
+
+    def once(self) -> float:
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = self.path
+        try:
+            return super().once()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+
+
+def rounds(contenders: dict, repeats: int) -> dict[str, list[float]]:
+    """Each contender (name -> a function returning seconds) once per round, the order rotating; one unrecorded
+    round first."""
+    names = list(contenders)
+    for name in names:
+        contenders[name]()
+    times = {name: [] for name in names}
+    for rep in range(repeats):
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(contenders[name]())
+    return times
+
+
+def fresh_script(repeats: int, work: str, before: str | None) -> dict[str, list[float]]:
+    def private(name):
+        return tempfile.mkdtemp(prefix=f"{name}-", dir=work)
+
+    processes = [
+        run.Process("`python -c 'import torch'`", [run.PY, "-c", "import torch"], private("import")),
+        run.Process("`launch()` in a fresh python", [run.PY, run.WORKLOADS, "launch-once"], private("fresh")),
+        run.Process("torchrun --nproc-per-node 2",
+                    lambda: run._torchrun() + ["--nproc-per-node", "2", "--master-port", str(run._free_port()),
+                                               run.WORKLOADS, "torchrun-trivial"], private("torchrun")),
+        run.Caller("`launch()` from a live process, template warm", "launch", private("warm")),
+    ]
+    if before:
+        processes.append(Before("`launch()` in a fresh python, before", [run.PY, run.WORKLOADS, "launch-once"],
+                                private("fresh_before"), before))
+    if run._version("accelerate"):
+        processes.append(run.Caller("accelerate `notebook_launcher` from a live process", "accelerate",
+                                    private("accelerate")))
+    for p in processes:
+        p.start()
+    try:
+        return rounds({p.name: p.once for p in processes}, repeats)
+    finally:
+        for p in processes:
+            p.stop()
+
+
+KERNEL_SETUP = r'''
+%load_ext ddp_notebook
+import os, socket, time
+import ddp_notebook
+import torch, transformers
+from transformers import BertConfig, BertModel
+from accelerate import notebook_launcher
+from ddp_notebook.engine import template as _template
+
+CONFIG = dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+BertModel(BertConfig(**CONFIG))  # the kernel has built one: what its ranks will import, it has imported
+
+def tiny_bert():
+    import torch
+    import torch.distributed as dist
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(**CONFIG))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return sum(p.numel() for p in model.parameters())
+
+def tiny_bert_self_init():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tiny_bert()
+    dist.destroy_process_group()
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+'''
+
+SETTLE = """
+_template.preload_notebook_libraries()
+assert _template.current().wait_ready()
+_template.preload_notebook_libraries()  # as after any cell: what the kernel imported, preloaded
+assert _template.current().wait_preloaded(timeout=300)
+print("PRELOADED", len(_template.current().preloaded), "LEFT", _template.left_to_ranks())
+"""
+
+IN_CELL = """
+_started = time.perf_counter()
+{call}
+print("TOOK", time.perf_counter() - _started)
+"""
+
+DDP_CELL = """%%ddp --cpus 2
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertModel
+model = BertModel(BertConfig(**CONFIG))
+t = torch.ones(1)
+dist.all_reduce(t)
+"""
+
+
+def _cell(kc, code: str) -> tuple[float, str]:
+    said = []
+    started = time.perf_counter()
+    reply = kc.execute_interactive(code, timeout=600, output_hook=lambda msg: said.append(
+        msg["content"].get("text", "") if msg["msg_type"] == "stream" else
+        "\n".join(msg["content"].get("traceback", [])) if msg["msg_type"] == "error" else ""))
+    took = time.perf_counter() - started
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"{code!r} failed: {''.join(said)}")
+    return took, "".join(said)
+
+
+def _took(kc, call: str) -> float:
+    return float(re.search(r"TOOK (\S+)", _cell(kc, IN_CELL.format(call=call))[1]).group(1))
+
+
+def kernel_bert(repeats: int) -> tuple[dict[str, list[float]], str]:
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _cell(kc, KERNEL_SETUP)
+        settled = _cell(kc, SETTLE)[1].strip()
+        launcher = "notebook_launcher(tiny_bert_self_init, (), num_processes=2, use_port=str(free_port()))"
+        contenders = {
+            "cold `launch(tiny_bert, cpus=2)`, timed in the cell": lambda: _took(kc, "ddp_notebook.launch("
+                                                                                     "tiny_bert, cpus=2)"),
+            "accelerate `notebook_launcher`, timed in the cell": lambda: _took(kc, launcher),
+            "`%%ddp --cpus 2` cell, timed from the client": lambda: _cell(kc, DDP_CELL)[0],
+            "a cell calling `notebook_launcher`, timed from the client": lambda: _cell(kc, launcher)[0],
+        }
+        return rounds(contenders, repeats), settled
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+BACKGROUND = "%%ddp --background --cpus 2\npass"
+TEMPLATE_STATE = "from ddp_notebook.engine import template as _t\nprint('READY', _t.current().wait_ready(timeout=0))"
+
+
+def _background_once(path: str | None) -> tuple[float, float, bool | None]:
+    """A fresh kernel: the background cell's time right after %load_ext, whether the template was ready by then,
+    and the same cell's time once the template is ready."""
+    env = dict(os.environ, PYTHONPATH=path) if path else None
+    km, kc = start_new_kernel(kernel_name="python3", **({"env": env} if env else {}))
+    try:
+        _cell(kc, "%load_ext ddp_notebook")
+        first = _cell(kc, BACKGROUND)[0]
+        ready = None
+        if path is None:
+            ready = "READY True" in _cell(kc, TEMPLATE_STATE)[1]
+        _cell(kc, "import ddp_notebook\nddp_notebook.last_job().wait(timeout=300)\n"
+                  "from ddp_notebook.engine import template as _t\n_t.ready_template()")
+        later = _cell(kc, BACKGROUND)[0]
+        _cell(kc, "ddp_notebook.last_job().wait(timeout=300)")
+        return first, later, ready
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def background(repeats: int, before: str | None) -> tuple[dict[str, list[float]], list[bool]]:
+    readiness = []
+    results = {}
+
+    def now():
+        first, later, ready = _background_once(None)
+        readiness.append(ready)
+        results.setdefault("later", []).append(later)
+        return first
+
+    contenders = {"`%%ddp --background` right after `%load_ext`": now}
+    if before:
+        contenders["`%%ddp --background` right after `%load_ext`, before"] = lambda: _background_once(before)[0]
+    times = rounds(contenders, repeats)
+    times["`%%ddp --background` once the template is ready"] = results["later"][len(contenders) > 1:]
+    return times, readiness
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.0f} ms ({min(values) * 1e3:.0f}–{max(values) * 1e3:.0f})"
+
+
+def _ratio(times: dict, a: str, b: str) -> float:
+    return statistics.median(times[a]) / statistics.median(times[b])
+
+
+def _verdict(value: float, target: float) -> str:
+    return f"{value:.2f}× (≤ {target}×: {'met' if value <= target else 'missed'})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--background-repeats", type=int, default=5)
+    parser.add_argument("--before", help="a folder holding an older ddp_notebook, measured alongside")
+    parser.add_argument("--only", default="fresh,bert,background")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    load_before = os.getloadavg()
+    lines = ["# Cold jobs: what a job waits for before its ranks run", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (load average "
+             f"{load_before[0]:.1f} at the start), Python {platform.python_version()}, torch "
+             f"{run._version('torch')}, transformers {run._version('transformers')}, accelerate "
+             f"{run._version('accelerate')}. 2 CPU ranks (gloo); contenders alternating, the order rotating every "
+             f"round; medians (min–max). `python benchmarks/bench_cold.py --repeats {args.repeats}"
+             f"{' --before PATH' if args.before else ''}`.", ""]
+    with tempfile.TemporaryDirectory(prefix="bench-cold-") as work:
+        if "fresh" in only:
+            times = fresh_script(args.repeats, work, args.before)
+            lines += ["## A fresh script", "", "The trivial job (the group, one all-reduce) on 2 ranks; a fresh python "
+                      "pays its interpreter, and `launch()` its template's `import torch` (it starts one and waits "
+                      "until it has imported what every rank imports, not for `torch._dynamo`).", "",
+                      "| contender | time |", "|---|---|"]
+            lines += [f"| {name} | {_ms(v)} |" for name, v in times.items()]
+            fresh, imp = "`launch()` in a fresh python", "`python -c 'import torch'`"
+            lines += ["", f"- `launch()` in a fresh python / torchrun: "
+                          f"{_verdict(_ratio(times, fresh, 'torchrun --nproc-per-node 2'), 0.5)}",
+                      f"- `launch()` in a fresh python / `python -c 'import torch'`: "
+                      f"{_verdict(_ratio(times, fresh, imp), 1.0)}"]
+            acc = "accelerate `notebook_launcher` from a live process"
+            if acc in times:
+                lines.append(f"- `launch()` from a live process, template warm / accelerate: "
+                             f"{_ratio(times, '`launch()` from a live process, template warm', acc):.2f}× "
+                             f"(0.48× in RESULTS.md before this change)")
+            if args.before:
+                lines.append(f"- `launch()` in a fresh python, now / before: "
+                             f"{_ratio(times, fresh, fresh + ', before'):.2f}×")
+            lines.append("")
+        if "bert" in only:
+            times, settled = kernel_bert(args.repeats)
+            lines += ["## A kernel that imported transformers", "",
+                      "The kernel has imported transformers and built a tiny BERT (2 layers, hidden 32); the template "
+                      f"has preloaded what it imported (`{settled}`). Each job builds the same BERT on 2 ranks and "
+                      "all-reduces one tensor; a cold job: fresh ranks each time (no warm pool).", "",
+                      "| contender | time |", "|---|---|"]
+            lines += [f"| {name} | {_ms(v)} |" for name, v in times.items()]
+            names = list(times)
+            lines += ["", f"- cold `launch()` / `notebook_launcher`, in the cell: "
+                          f"{_verdict(_ratio(times, names[0], names[1]), 2.0)}",
+                      f"- `%%ddp --cpus 2` cell / a `notebook_launcher` cell, from the client: "
+                      f"{_verdict(_ratio(times, names[2], names[3]), 2.0)}", ""]
+        if "background" in only:
+            times, readiness = background(args.background_repeats, args.before)
+            name = "`%%ddp --background` right after `%load_ext`"
+            lines += ["## A background cell right after `%load_ext`", "",
+                      f"A fresh kernel each round, timed from the client (execute → reply); the template was ready "
+                      f"when the cell had returned in {sum(map(bool, readiness))} of {len(readiness)} rounds (the "
+                      f"unrecorded first one included).", "",
+                      "| contender | time |", "|---|---|"]
+            lines += [f"| {n} | {_ms(v)} |" for n, v in times.items()]
+            median = statistics.median(times[name])
+            met = "met" if median <= 0.3 else "missed"
+            lines += ["", f"- right after `%load_ext`: {median:.2f} s (≤ 0.3 s: {met})", ""]
+    path = os.path.join(HERE, "RESULTS_cold.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

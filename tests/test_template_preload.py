@@ -1,0 +1,294 @@
+"""The rank template preloads the libraries the notebook imported, stays fit to fork, and never keeps a job waiting.
+
+Real kernels (tests/nbrun.py), real ranks over gloo; the libraries are fake ones, installed (a module and its
+dist-info) in a folder the kernel puts on its ``sys.path``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from ddp_notebook.engine import template
+from jupyter_client.manager import start_new_kernel
+from nbrun import execute, gone, kernel, run_cell
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.kernel]
+
+_LIBRARIES = {
+    "ddpnb_fake_plain": '__version__ = "1.0"\n',
+    "ddpnb_fake_thread": textwrap.dedent("""
+        import threading, time
+        __version__ = "1.0"
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    """),
+    "ddpnb_fake_cuda": textwrap.dedent("""
+        import torch
+        __version__ = "1.0"
+        if torch.cuda.is_available():
+            torch.cuda.init()
+        else:  # a CPU-only machine: what torch.cuda.init() leaves behind, which is what the template checks
+            torch.cuda._initialized = True
+    """),
+    "ddpnb_fake_broken": textwrap.dedent("""
+        import sys
+        __version__ = "1.0"
+        if "IPython" not in sys.modules:  # loads in a kernel, fails anywhere else
+            raise ImportError("ddpnb_fake_broken needs IPython")
+    """),
+}
+
+
+_MARK = textwrap.dedent("""
+    import os as _os
+    _os.makedirs(_os.path.join(_os.path.dirname(__file__), "marks"), exist_ok=True)
+    with open(_os.path.join(_os.path.dirname(__file__), "marks", __name__), "a") as _mark:
+        _mark.write(f"{_os.getpid()} ")
+""")
+
+
+def _install(folder, name: str, code: str, version: str = "1.0") -> None:
+    """A module and the dist-info that makes it an installed library, as pip leaves them; every process that
+    imports it adds its pid to ``marks/NAME`` beside it."""
+    (folder / f"{name}.py").write_text(_MARK + code)
+    info = folder / f"{name}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(name + "\n")
+
+
+# In the kernel: every debug message of ddp_notebook kept in DEBUG_LOG, and settle(), which waits until the template
+# is ready and has preloaded what the notebook imported, replacing every template a library tainted on the way.
+_KERNEL_SETUP = textwrap.dedent("""
+    import json, logging, os, sys
+    from ddp_notebook.engine import template as t
+
+    DEBUG_LOG = []
+    _handler = logging.Handler(logging.DEBUG)
+    _handler.emit = lambda record: DEBUG_LOG.append(record.getMessage())
+    logging.getLogger("ddp_notebook").addHandler(_handler)
+    logging.getLogger("ddp_notebook").setLevel(logging.DEBUG)
+
+    def settle():
+        while True:
+            t.preload_notebook_libraries()  # as after a cell: a tainted template replaced, a ready one asked
+            current = t.current()
+            assert current.wait_ready()
+            t.preload_notebook_libraries()
+            assert current.wait_preloaded()
+            if current.tainted is None:
+                return current
+            print("TAINTED", current.proc.pid, current.tainted)
+""")
+
+_RANK_SEES = textwrap.dedent("""
+    %%ddp --cpus 2
+    import json, os, sys, torch
+    at_start = sorted(name for name in sys.modules if name.startswith("ddpnb_fake"))
+    import ddpnb_fake_plain
+    print("RANK " + json.dumps({"ppid": os.getppid(), "at_start": at_start, "version": ddpnb_fake_plain.__version__,
+                                "file": ddpnb_fake_plain.__file__, "sys_path": sys.path,
+                                "cuda": torch.cuda.is_initialized()}), flush=True)
+""")
+
+
+def _ranks(text: str) -> list[dict]:
+    return [json.loads(line) for line in re.findall(r"RANK (\{.*\})", text)]
+
+
+def _numbers(text: str, label: str) -> list[int]:
+    return [int(n) for n in re.findall(label + r" (\d+)", text)]
+
+
+def test_libraries_that_fail_start_a_thread_or_initialise_cuda_are_left_to_the_ranks(tmp_path, no_leftovers):
+    for name, code in _LIBRARIES.items():
+        _install(tmp_path, name, code)
+    with kernel() as (km, kc):
+        imports = ", ".join(_LIBRARIES)
+        execute(kc, [_KERNEL_SETUP, f"sys.path.insert(0, {str(tmp_path)!r})\nimport {imports}"])
+        said = execute(kc, ["current = settle()",
+                            "print('TEMPLATE', current.proc.pid, current.preloaded)",
+                            "print('LEFT ' + json.dumps(t.left_to_ranks()))",
+                            "print('LOG ' + json.dumps(DEBUG_LOG))"])
+        left = json.loads(re.search(r"LEFT (.*)", said).group(1))
+        assert set(left) == {"ddpnb_fake_thread", "ddpnb_fake_cuda", "ddpnb_fake_broken"}
+        assert left["ddpnb_fake_thread"] == "started 1 thread"
+        assert left["ddpnb_fake_cuda"] == "initialised CUDA"
+        assert left["ddpnb_fake_broken"] == "ImportError: ddpnb_fake_broken needs IPython"
+        debug = json.loads(re.search(r"LOG (.*)", said).group(1))
+        for name, why in left.items():
+            assert f"rank template: {name} left to the ranks ({why})" in debug
+        tainted = _numbers(said, "TAINTED")
+        assert len(tainted) == 2 and all(not psutil.pid_exists(pid) for pid in tainted)  # each replaced, and gone
+        (clean,) = _numbers(said, "TEMPLATE")
+        assert clean not in tainted and "'ddpnb_fake_plain'" in said
+        # Which processes imported which library (each leaves a mark): the tainted templates did, the clean one never.
+        imported = {name: {int(pid) for pid in (tmp_path / "marks" / name).read_text().split()} for name in left}
+        assert clean not in set().union(*imported.values())
+        kernel_pid = km.provisioner.process.pid
+        assert set(tainted) == (imported["ddpnb_fake_thread"] | imported["ddpnb_fake_cuda"]) - {kernel_pid}
+
+        forked = _ranks(execute(kc, [_RANK_SEES]))
+        assert [r["ppid"] for r in forked] == [clean, clean]
+        for rank in forked:  # what was left to the ranks is not there at their start; CUDA untouched
+            assert rank["at_start"] == ["ddpnb_fake_plain"] and rank["cuda"] is False
+
+
+def test_preloaded_libraries_are_what_a_fresh_rank_imports_and_a_change_on_disk_means_a_new_template(
+        tmp_path, no_leftovers):
+    _install(tmp_path, "ddpnb_fake_plain", _LIBRARIES["ddpnb_fake_plain"])
+    with kernel() as (km, kc):
+        execute(kc, [_KERNEL_SETUP, f"sys.path.insert(0, {str(tmp_path)!r})\nimport ddpnb_fake_plain"])
+        said = execute(kc, ["t.current().wait_ready()",  # the template asked to preload after this cell
+                            "print('ASKED', 'ddpnb_fake_plain' in t.current().asked)",
+                            "print('TEMPLATE', settle().proc.pid)"])
+        assert "ASKED True" in said
+        (first,) = _numbers(said, "TEMPLATE")
+        forked = _ranks(execute(kc, [_RANK_SEES]))
+        execute(kc, ["os.environ['DDP_NOTEBOOK_TEMPLATE'] = '0'"])
+        fresh = _ranks(execute(kc, [_RANK_SEES]))
+        execute(kc, ["del os.environ['DDP_NOTEBOOK_TEMPLATE']"])
+        assert [r["ppid"] for r in forked] == [first, first]
+        assert [r["ppid"] for r in fresh] == [km.provisioner.process.pid] * 2
+        assert [r["at_start"] for r in forked] == [["ddpnb_fake_plain"]] * 2
+        assert [r["at_start"] for r in fresh] == [[]] * 2
+        different = {"ppid", "at_start"}
+        assert [{k: v for k, v in r.items() if k not in different} for r in forked] == \
+            [{k: v for k, v in r.items() if k not in different} for r in fresh]
+        assert forked[0]["file"] == str(tmp_path / "ddpnb_fake_plain.py") and forked[0]["version"] == "1.0"
+
+        # A new version on disk (the kernel still holds the old one): the ranks get the new one, from a new template.
+        library = tmp_path / "ddpnb_fake_plain.py"
+        library.write_text('__version__ = "2.0"\n')
+        stat = library.stat()
+        os.utime(library, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        upgraded = _ranks(execute(kc, [_RANK_SEES]))
+        (second,) = _numbers(execute(kc, ["print('TEMPLATE', t.current_pid())"]), "TEMPLATE")
+        assert second != first and not psutil.pid_exists(first)
+        assert [(r["ppid"], r["version"]) for r in upgraded] == [(second, "2.0")] * 2
+        said = execute(kc, ["print('REPLACED', any('ddpnb_fake_plain changed on disk' in m for m in DEBUG_LOG))"])
+        assert "REPLACED True" in said
+
+
+# A sitecustomize for the kernel's environment: in the rank template only, ``import torch`` waits until the test
+# lets it go (a file appears), so that the template is certainly not ready while the background cell runs.
+_HELD_TORCH_IN_THE_TEMPLATE = textwrap.dedent("""
+    import importlib.abc, os, sys, time
+
+    class HeldTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" and "ddp_notebook.rank.template" in sys.orig_argv:
+                while not os.path.exists(os.environ["DDP_NOTEBOOK_TEST_GO"]):
+                    time.sleep(0.02)
+            return None
+
+    sys.meta_path.insert(0, HeldTorch())
+""")
+
+_BACKGROUND = textwrap.dedent("""
+    %%ddp --background --cpus 2
+    import os
+    with open(os.path.join(FOLDER, os.environ["RANK"]), "w") as f:
+        f.write(str(os.getppid()))
+""")
+
+
+def test_a_background_cell_returns_before_the_template_is_ready_and_its_ranks_start_fresh(tmp_path, no_leftovers):
+    (tmp_path / "sitecustomize.py").write_text(_HELD_TORCH_IN_THE_TEMPLATE)
+    go, folder = tmp_path / "go", tmp_path / "parents"
+    folder.mkdir()
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), DDP_NOTEBOOK_TEST_GO=str(go))
+    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    template_pid = None
+    try:
+        execute(kc, ["%load_ext ddp_notebook", f"import ddp_notebook, os\nFOLDER = {str(folder)!r}\n"
+                     "from ddp_notebook.engine import template as t"])
+        reply, said = run_cell(kc, _BACKGROUND)
+        assert reply["status"] == "ok", said
+        # The cell has returned, and the template is still held in its import of torch.
+        said = execute(kc, ["print('READY', t.current().wait_ready(timeout=0), 'TEMPLATE', t.current_pid())"])
+        assert "READY False" in said
+        (template_pid,) = _numbers(said, "TEMPLATE")
+        said = execute(kc, ["ddp_notebook.last_job().wait(timeout=120)\n"
+                            "print('DONE', t.current().wait_ready(timeout=0), 'KERNEL', os.getpid())"])
+        assert "DONE False" in said  # the job ran to its end without the template
+        parents = {int((folder / rank).read_text()) for rank in ("0", "1")}
+        assert parents == set(_numbers(said, "KERNEL"))  # fresh ranks, children of the kernel
+        go.write_text("")
+        said = execute(kc, ["print('READY', t.current().wait_ready(), 'TEMPLATE', t.current_pid())", _PARENTS])
+        assert f"READY True TEMPLATE {template_pid}" in said
+        assert set(_numbers(said, "PARENT")) == {template_pid}  # a job that may wait forks from it
+    finally:
+        go.write_text("")
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        if template_pid is not None:
+            assert gone([template_pid], within=10)
+
+
+_PARENTS = "%%ddp --cpus 2\nimport os\nprint('PARENT', os.getppid(), flush=True)"
+
+
+def test_what_the_template_preloads_is_installed_libraries_beyond_the_stdlib_jupyter_and_what_ranks_set_up():
+    import IPython  # noqa: F401
+    import jupyter_client  # noqa: F401
+    import psutil  # noqa: F401
+
+    wanted = template.notebook_libraries()
+    assert "psutil" in wanted
+    for name in ("json", "IPython", "matplotlib", "jupyter_client", "zmq", "traitlets", "ddp_notebook", "sys"):
+        assert name not in wanted
+    assert all(not name.startswith("_") for name in wanted)
+    assert sys.modules["psutil"]
+
+
+# A library whose import in the rank template waits until the test lets it go (a file appears); anywhere else it
+# imports at once.
+_HELD_IN_THE_TEMPLATE = textwrap.dedent("""
+    import os, sys, time
+    __version__ = "1.0"
+    if "ddp_notebook.rank.template" in sys.orig_argv:
+        go = os.path.join(os.path.dirname(__file__), "go")
+        deadline = time.monotonic() + 250
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.02)
+""")
+
+
+def _exits_and_pid():
+    import os
+
+    return os.getppid()
+
+
+def test_a_job_ends_while_the_template_is_still_importing_a_library(tmp_path, monkeypatch, caplog, no_leftovers):
+    _install(tmp_path, "ddpnb_fake_held", _HELD_IN_THE_TEMPLATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ddp_notebook
+
+    import ddpnb_fake_held  # noqa: F401  the notebook has imported it: the template is asked for it after the forks
+    assert "ddpnb_fake_held" in template.notebook_libraries()  # (known installed, as a cell's end would have read)
+
+    template.stop()
+    started = template.ready_template()
+    assert started.wait_preloaded()  # torch._dynamo: done
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ddp_notebook"):
+            parents = ddp_notebook.launch(_exits_and_pid, cpus=2)
+        # The job has ended, each rank's exit code reported by the template, while the template still imports.
+        assert parents == [started.proc.pid] * 2
+        assert {"rank 0 exited with 0", "rank 1 exited with 0"} <= {r.getMessage() for r in caplog.records}
+        assert "ddpnb_fake_held" in started.asked and "ddpnb_fake_held" not in started.preloaded
+        assert not started.wait_preloaded(timeout=0)
+    finally:
+        (tmp_path / "go").write_text("")
+    assert started.wait_preloaded() and "ddpnb_fake_held" in started.preloaded
+    template.stop()
+    sys.modules.pop("ddpnb_fake_held", None)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from .engine import devices as gpu_discovery
 from .engine import multinode, pool, slurm
+from .engine import template as rank_template
 from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
@@ -73,7 +74,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     if not background:
         job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
     job.keep_failed_rank = debug
-    start_job(job)
+    start_job(job, background=background)
     return job.run_in_background() if background else job.result()
 
 
@@ -130,7 +131,8 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, da
     task = payload.CallTask(fn, tuple(args), {}, True, payload.sources_for(fn))
     if join:
         return run_job(spec, task)
-    return SpawnContext(start_job(prepare_job(spec, task, on_pool=False, background=True)).run_in_background())
+    return SpawnContext(start_job(prepare_job(spec, task, on_pool=False, background=True),
+                                  background=True).run_in_background())
 
 
 class SpawnContext:
@@ -181,9 +183,13 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
     return job
 
 
-def start_job(job: Job) -> Job:
-    """Start a prepared job; if it cannot start, its shared arrays are let go at once."""
+def start_job(job: Job, background: bool = False) -> Job:
+    """Start a prepared job; if it cannot start, its shared arrays are let go at once.  ``background``: the caller
+    returns at once, so the job never waits for a rank template that is not ready (its ranks start fresh)."""
     try:
+        if background:
+            with rank_template.not_waiting():
+                return job.start()
         return job.start()
     except BaseException:
         payload.release(job.task)  # no rank ever ran: its shared arrays go now

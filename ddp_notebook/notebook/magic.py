@@ -628,8 +628,7 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
 
     job.on_done.append(finished)
     try:
-        with rank_template.not_waiting():  # the cell returns at once: fresh ranks if the template is not ready
-            api.start_job(job)
+        api.start_job(job, background=True)  # the cell returns at once: fresh ranks if the template is not ready
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     dashboard.attach(job)  # shown now, under this cell, with a Stop button

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 
 from ..wire import forking
 from ..wire.channel import ready_now
@@ -183,10 +184,17 @@ def _imported_modules() -> dict[str, list[str]]:
 
 @functools.lru_cache(maxsize=None)
 def _holds_what_ranks_set_up(name: str, module) -> bool:
-    for value in list(vars(module).values()):
-        owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
-        if isinstance(owner, str) and owner.partition(".")[0] in forking.RANK_OWN_MODULES:
-            return True
+    # (Reading an attribute may warn, a deprecated alias such as torch.distributed.reduce_op, or raise: a lazy
+    # proxy.  Neither is the user's to see after a cell.)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for value in list(vars(module).values()):
+            try:
+                owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            except Exception:  # noqa: BLE001
+                continue
+            if isinstance(owner, str) and owner.partition(".")[0] in forking.RANK_OWN_MODULES:
+                return True
     return False
 
 

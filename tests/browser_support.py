@@ -230,6 +230,15 @@ def wait_idle(page, timeout: float = 120.0) -> None:
     raise AssertionError(f"the notebook's kernel was not idle within {timeout:.0f} s; last state: {state}")
 
 
+def write_notebook(path, sources: list[str]) -> None:
+    """Write a notebook of code cells ``sources`` to ``path``, for the python3 kernel."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
 def open_notebook(page, server: JupyterServer, path: str, timeout: float = 60.0) -> None:
     """Open ``path`` (relative to the server's root) in the server's front end and wait for its kernel."""
     page.goto(server.notebook_url(path))

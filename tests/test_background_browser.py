@@ -2,11 +2,10 @@
 Playwright).  Screenshots: artifacts/background_stopped-{lab,notebook7}.png."""
 import re
 
-import nbformat
 import pytest
 
 from browser_support import FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, run_all_cells, screenshot, \
-    wait_for_text, wait_idle
+    wait_for_text, wait_idle, write_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
 
@@ -24,9 +23,7 @@ def test_the_stop_button_stops_a_background_job(tmp_path, frontend):
     require_browser()
     root = tmp_path / "root"
     root.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(root / "background.ipynb"))
+    write_notebook(str(root / "background.ipynb"), CELLS)
     with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
         open_notebook(page, server, "background.ipynb")
         run_all_cells(page)

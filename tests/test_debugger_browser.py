@@ -4,11 +4,10 @@ reaches the rank, and pdb's answer shows in the cell.  Screenshots: artifacts/de
 import re
 import time
 
-import nbformat
 import pytest
 
 from browser_support import FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, \
-    run_all_cells, screenshot, wait_for_text, wait_idle
+    run_all_cells, screenshot, wait_for_text, wait_idle, write_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
 
@@ -37,9 +36,7 @@ def test_a_ranks_breakpoint_is_answered_in_the_notebooks_input_box(tmp_path, fro
     require_browser()
     root = tmp_path / "root"
     root.mkdir()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(root / "debugger.ipynb"))
+    write_notebook(str(root / "debugger.ipynb"), CELLS)
     with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
         open_notebook(page, server, "debugger.ipynb")
         run_all_cells(page)

@@ -9,11 +9,10 @@ JupyterLab or Notebook 7 is missing, except under CI=true, where that fails (see
 """
 import os
 
-import nbformat
 import pytest
 
 from browser_support import (FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, run_all_cells, screenshot,
-                             wait_for_text, wait_idle)
+                             wait_for_text, wait_idle, write_notebook)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,9 +30,7 @@ def _write_notebook(path: str) -> None:
         "spec = job_spec.resolve_devices()  # ranks get GPU UUIDs: shown as the recorded GPUs' indices\n"
         "print('DEFAULT', spec.world_size, ','.join(str(fake_nvml.UUIDS.index(g)) for g in spec.gpus), spec.backend)",
     ]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, path)
+    write_notebook(path, cells)
 
 
 @pytest.mark.timeout(150)

@@ -137,6 +137,7 @@ _DIES_WITH_A_JOB_RUNNING = textwrap.dedent("""
         time.sleep(600)
 
     folder = sys.argv[1]
+    template.ready_template().wait_preloaded()  # (a background job waits for no template: it would start fresh)
     job = ddp_notebook.launch(forever, (folder,), cpus=2, background=True)
     deadline = time.time() + 60
     while len(os.listdir(folder)) < 2 and time.time() < deadline:

@@ -366,9 +366,10 @@ class _Gathering:
         full = tensor.full_tensor()  # (every rank holds the whole tensor for a moment)
         if not self.keep:
             return None
-        whole = self._new(tuple(full.shape), full.dtype)
-        whole.copy_(full)
-        return whole
+        shared = self.allocate(tuple(full.shape), full.dtype) if self.allocate is not None else None
+        if shared is None:
+            return full.to("cpu")  # (already a fresh tensor of its own on a CPU rank: no second copy)
+        return shared.copy_(full)
 
     def _rows_gathered(self, tensor: Any) -> Any:
         """Each rank sends its rows to rank 0, which receives them in place: the other ranks hold nothing more than

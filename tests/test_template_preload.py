@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -236,17 +237,23 @@ def test_a_background_cell_returns_before_the_template_is_ready_and_its_ranks_st
 _PARENTS = "%%ddp --cpus 2\nimport os\nprint('PARENT', os.getppid(), flush=True)"
 
 
-def test_what_the_template_preloads_is_installed_libraries_beyond_the_stdlib_jupyter_and_what_ranks_set_up():
-    import IPython  # noqa: F401
-    import jupyter_client  # noqa: F401
-    import psutil  # noqa: F401
-
-    wanted = template.notebook_libraries()
-    assert "psutil" in wanted
-    for name in ("json", "IPython", "matplotlib", "jupyter_client", "zmq", "traitlets", "ddp_notebook", "sys"):
+def test_what_the_template_preloads_is_installed_libraries_beyond_the_stdlib_jupyter_and_what_ranks_set_up(tmp_path):
+    # In a process of its own: in the suite's, what earlier tests' templates left to the ranks is left out too.
+    _install(tmp_path, "ddpnb_fake_plain", "")
+    said = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import json, sys
+        import IPython, jupyter_client, pygments, jedi, psutil  # (IPython 9 requires psutil: Jupyter's own then)
+        import ddpnb_fake_plain
+        from ddp_notebook.engine import template
+        print(json.dumps(template.notebook_libraries()))
+    """)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0, said.stderr
+    wanted = json.loads(said.stdout.splitlines()[-1])
+    assert "ddpnb_fake_plain" in wanted
+    for name in ("json", "IPython", "matplotlib", "jupyter_client", "zmq", "traitlets", "pygments", "jedi",
+                 "ddp_notebook", "sys"):
         assert name not in wanted
     assert all(not name.startswith("_") for name in wanted)
-    assert sys.modules["psutil"]
 
 
 # A library whose import in the rank template waits until the test lets it go (a file appears); anywhere else it

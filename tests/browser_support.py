@@ -22,6 +22,7 @@ server and its kernels stop together.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -250,6 +251,20 @@ def run_all_cells(page) -> None:
     """Run > Run All Cells, from the menu bar (the same menu and command in both front ends)."""
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
+
+
+@contextlib.contextmanager
+def notebook_run_in_browser(tmp_path, frontend: str, name: str, sources: list[str]):
+    """A notebook ``name`` of code cells ``sources`` in a fresh folder under ``tmp_path``, served by ``frontend``,
+    opened in Chromium and every cell run (Run All); yields the page."""
+    require_browser()
+    root = tmp_path / "root"
+    root.mkdir()
+    write_notebook(str(root / name), sources)
+    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
+        open_notebook(page, server, name)
+        run_all_cells(page)
+        yield page
 
 
 def cells(page):

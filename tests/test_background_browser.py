@@ -4,8 +4,7 @@ import re
 
 import pytest
 
-from browser_support import FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, run_all_cells, screenshot, \
-    wait_for_text, wait_idle, write_notebook
+from browser_support import FRONTENDS, cells, notebook_run_in_browser, screenshot, wait_for_text, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
 
@@ -20,13 +19,7 @@ CELLS = [
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("frontend", list(FRONTENDS))
 def test_the_stop_button_stops_a_background_job(tmp_path, frontend):
-    require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
-    write_notebook(str(root / "background.ipynb"), CELLS)
-    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
-        open_notebook(page, server, "background.ipynb")
-        run_all_cells(page)
+    with notebook_run_in_browser(tmp_path, frontend, "background.ipynb", CELLS) as page:
         wait_for_text(cells(page).nth(2), r"meanwhile the kernel is free: running", 120)
         status = cells(page).nth(1).locator(".jp-RenderedText", has_text="ddp_notebook · ")
         status.wait_for(timeout=60_000)

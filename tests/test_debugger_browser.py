@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from browser_support import FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, \
-    run_all_cells, screenshot, wait_for_text, wait_idle, write_notebook
+from browser_support import FRONTENDS, cells, notebook_run_in_browser, screenshot, wait_for_text, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
 
@@ -33,13 +32,7 @@ def type_at_prompt(page, cell, prompt: str, line: str, timeout: float = 60.0) ->
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("frontend", list(FRONTENDS))
 def test_a_ranks_breakpoint_is_answered_in_the_notebooks_input_box(tmp_path, frontend, no_leftovers):
-    require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
-    write_notebook(str(root / "debugger.ipynb"), CELLS)
-    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
-        open_notebook(page, server, "debugger.ipynb")
-        run_all_cells(page)
+    with notebook_run_in_browser(tmp_path, frontend, "debugger.ipynb", CELLS) as page:
         cell = cells(page).nth(1)
         type_at_prompt(page, cell, "(Pdb rank 1)", "p secret")
         wait_for_text(cell.locator(".jp-OutputArea"), r"\n1007\n", 60)  # rank 1's value, printed by its pdb

@@ -11,39 +11,30 @@ import os
 
 import pytest
 
-from browser_support import (FRONTENDS, Browser, JupyterServer, cells, open_notebook, require_browser, run_all_cells, screenshot,
-                             wait_for_text, wait_idle, write_notebook)
+from browser_support import FRONTENDS, cells, notebook_run_in_browser, screenshot, wait_for_text, wait_idle
+
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel, pytest.mark.browser]
 
 
-def _write_notebook(path: str) -> None:
-    cells = [
-        f"import sys; sys.path.insert(0, {TESTS!r})\n"
-        "import fake_nvml\n"
-        "from ddp_notebook.engine import devices as gpus, spec as job_spec\n"
-        "gpus._nvml_override = fake_nvml.server8()  # the recorded 8x A100 server\n"
-        "%load_ext ddp_notebook",
-        "%ddp_gpus",
-        "spec = job_spec.resolve_devices()  # ranks get GPU UUIDs: shown as the recorded GPUs' indices\n"
-        "print('DEFAULT', spec.world_size, ','.join(str(fake_nvml.UUIDS.index(g)) for g in spec.gpus), spec.backend)",
-    ]
-    write_notebook(path, cells)
+CELLS = [
+    f"import sys; sys.path.insert(0, {TESTS!r})\n"
+    "import fake_nvml\n"
+    "from ddp_notebook.engine import devices as gpus, spec as job_spec\n"
+    "gpus._nvml_override = fake_nvml.server8()  # the recorded 8x A100 server\n"
+    "%load_ext ddp_notebook",
+    "%ddp_gpus",
+    "spec = job_spec.resolve_devices()  # ranks get GPU UUIDs: shown as the recorded GPUs' indices\n"
+    "print('DEFAULT', spec.world_size, ','.join(str(fake_nvml.UUIDS.index(g)) for g in spec.gpus), spec.backend)",
+]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("frontend", list(FRONTENDS))
 def test_picker_renders_and_clicks_reach_the_kernel(tmp_path, frontend):
-    require_browser()
-    root = tmp_path / "root"
-    root.mkdir()
-    _write_notebook(str(root / "picker.ipynb"))
-    with JupyterServer(str(root), frontend) as server, Browser(str(tmp_path / "profile")) as page:
-        open_notebook(page, server, "picker.ipynb")
-        run_all_cells(page)
-
+    with notebook_run_in_browser(tmp_path, frontend, "picker.ipynb", CELLS) as page:
         panel = page.locator(".jp-OutputArea-output .ddp-gpu-picker")
         panel.wait_for()
         assert page.get_by_text("VBox(children=").count() == 0  # widgets rendered, not the text fallback

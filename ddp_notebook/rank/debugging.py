@@ -100,8 +100,10 @@ def install(send: Callable[[str, dict], None] | None, receive_answer: Callable[[
     sys.breakpointhook = _breakpoint
     pdb.set_trace = set_trace
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and hasattr(dist, "_make_distributed_pdb"):
-        dist._make_distributed_pdb = RankPdb  # torch's own opens /dev/stdin
+    # torch's own debugger opens /dev/stdin: made by _make_distributed_pdb() in torch 2.6 on, _DistributedPdb() before.
+    for maker in ("_make_distributed_pdb", "_DistributedPdb"):
+        if dist is not None and hasattr(dist, maker):
+            setattr(dist, maker, RankPdb)
 
 
 def ask(prompt: object = "") -> str:

@@ -9,7 +9,7 @@ import logging as _logging
 import os as _os
 
 from .rank.context import attempt, current as rank_context
-from .wire.errors import DDPNotebookError, JobStopped, LaunchError, RankError
+from .wire.errors import DDPNotebookError, JobStopped, LaunchError, RankError, Stopped
 from .rank.metrics import Sum, progress, report
 from .rank.stopping import should_stop
 from .version import __version__
@@ -21,7 +21,7 @@ if _os.environ.get("DDP_NOTEBOOK_DEBUG", "").strip() not in ("", "0"):
 
 
 __all__ = [
-    "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "JobStopped", "DDPNotebookError",
+    "launch", "spawn", "last_job", "Job", "RankError", "LaunchError", "JobStopped", "Stopped", "DDPNotebookError",
     "rank_context", "attempt", "resume", "load_ipython_extension",
     "report", "progress", "Sum", "should_stop",
     "gpu_picker", "export", "follow",

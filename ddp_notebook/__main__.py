@@ -20,12 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main
-        from .wire.errors import LaunchError
+        from .wire.errors import LaunchError, Stopped
 
         try:
             return demo_main(cpus=args.cpus, gpus=args.gpus, epochs=args.epochs)
         except LaunchError as exc:  # refused before any rank started: the message, not a traceback
             demo.exit(2, f"{demo.prog}: error: {exc}\n")
+        except Stopped as stop:  # Ctrl-C: every rank stopped at the same batch; one line, as for a cell
+            demo.exit(130, f"{demo.prog}: {stop.where}\n")
     if args.command == "gpus":
         from .engine import devices as gpus
 

@@ -18,7 +18,7 @@ from .engine.output import OutputRelay
 from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
 from .notebook import prompting
 from .wire import payload
-from .wire.errors import LaunchError
+from .wire.errors import LaunchError, Stopped
 
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,
@@ -75,7 +75,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
         job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
     job.keep_failed_rank = debug
     start_job(job, background=background)
-    return job.run_in_background() if background else job.result()
+    return job.run_in_background() if background else foreground_result(job)
 
 
 def warm_pool_for(gpus: Any = None, cpus: int | None = None, nnodes: int = 1,
@@ -199,5 +199,15 @@ def start_job(job: Job, background: bool = False) -> Job:
 
 def run_job(spec: JobSpec, task: Any, callbacks: list | tuple = ()) -> list[Any]:
     """Run the task as a fresh job and wait for its per-rank values."""
-    return start_job(prepare_job(spec, task, callbacks, on_pool=False)).result()
+    return foreground_result(start_job(prepare_job(spec, task, callbacks, on_pool=False)))
+
+
+def foreground_result(job: Job) -> list[Any]:
+    """Wait for a job run in the foreground; its per-rank values.  Stopped gracefully, it raises :class:`Stopped`
+    with the values, as an interrupted cell fails, so that "Run All" does not go on past it."""
+    results = job.result()
+    if job.stopped_text:
+        raise Stopped(f"job #{job.task_id} {job.stopped_text}", "; its per-rank values are this exception's "
+                      ".results (and ddp_notebook.last_job().wait())", results)
+    return results
 

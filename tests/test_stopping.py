@@ -105,6 +105,54 @@ def test_the_stop_button_ends_a_should_stop_loop_at_the_same_step(no_leftovers):
         assert gone(pids, 10)
 
 
+LAUNCH_CELL = '''import os, time
+import torch.distributed as dist
+
+def train():
+    print("PID", os.getpid(), flush=True)
+    steps = 0
+    while not ddp_notebook.should_stop():
+        dist.all_reduce(torch.ones(1))
+        steps += 1
+        time.sleep(0.01)
+    return steps
+
+values = ddp_notebook.launch(train, cpus=2)
+'''
+
+
+@pytest.mark.kernel
+def test_a_foreground_launch_stopped_gracefully_fails_its_cell_with_the_values_and_run_all_stops(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, LAUNCH_CELL)
+        queued = kc.execute("saved = 'the save cell ran'")  # as "Run All" queues the next cell
+        time.sleep(2)
+        km.interrupt_kernel()
+        replies = {}
+        while len(replies) < 2:
+            msg = kc.get_shell_msg(timeout=60)
+            replies[msg["parent_header"]["msg_id"]] = msg["content"]
+        assert [replies[msg_id]["status"], replies[queued]["status"]] == ["error", "aborted"]
+        assert replies[msg_id]["ename"] == "Stopped"
+        rendered = "\n".join(replies[msg_id]["traceback"])
+        stopped = re.fullmatch(r"ddp_notebook: job #\d+ stopped at step (\d+); its per-rank values are this "
+                               r"exception's \.results \(and ddp_notebook\.last_job\(\)\.wait\(\)\)\. The cells queued "
+                               r"after this one are not run\.", rendered)
+        assert stopped, rendered
+        step = int(stopped.group(1))
+        assert _output(kc, "print('values' in dir(), 'saved' in dir(), ddp_notebook.last_job().wait())").strip() == \
+            f"False False [{step}, {step}]"
+        assert gone(pids, 10)
+
+
+def _checks_for_a_stop_and_returns_7():
+    return ddp_notebook.should_stop() or 7
+
+
+def test_a_foreground_launch_that_ends_without_a_stop_returns_its_values(no_leftovers):
+    assert ddp_notebook.launch(_checks_for_a_stop_and_returns_7, cpus=2) == [7, 7]
+
+
 @pytest.mark.kernel
 def test_a_second_interrupt_stops_hard(no_leftovers):
     with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):

@@ -24,7 +24,7 @@ from ..engine import pool as pool_module
 from ..engine import spec as job_spec
 from ..engine import template as rank_template
 from ..wire import payload
-from ..wire.errors import JobStopped, LaunchError, RankError
+from ..wire.errors import JobStopped, LaunchError, RankError, Stopped
 from . import dashboard, prompting
 
 
@@ -567,18 +567,14 @@ def _parse_ranks(text: str | None, warm, cell: str, returns: list[str]) -> list[
     return targets
 
 
-class CellStopped(KeyboardInterrupt):
-    """A graceful stop ended the cell: what it kept is in the notebook, and like any interrupted cell it fails, so
-    that the cells queued after it ("Run All") are not run.  Shown as one line, with no traceback."""
+class CellStopped(Stopped):
+    """A graceful stop ended a ``%%ddp`` cell: what ``--return`` kept is in the notebook (see :class:`Stopped`)."""
 
     def __init__(self, job, returned: list[str], missing: list[str]):
         kept = f"; --return copied {', '.join(returned)} to the notebook" if returned else ""
         if missing:
             kept += f"; the cell had not assigned {', '.join(missing)} yet"
-        super().__init__(f"ddp_notebook: {job.stopped_text}{kept}. The cells queued after this one are not run.")
-
-    def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of a traceback
-        return [str(self)]
+        super().__init__(job.stopped_text, kept)
 
 
 def _interrupted_hard(job) -> KeyboardInterrupt:

@@ -43,6 +43,21 @@ class JobStopped(DDPNotebookError):
         return type(self), (self.job_id, self.by)
 
 
+class Stopped(KeyboardInterrupt):
+    """A job run in the foreground was stopped gracefully (the first interrupt, or its dashboard's Stop): every
+    rank ended at the same batch, and what it kept came back (``results``: ``launch()``'s per-rank values).  Like
+    any interrupted cell it fails, so that the cells queued after it ("Run All") are not run; IPython shows it as
+    one line, with no traceback."""
+
+    def __init__(self, where: str, kept: str = "", results: list | None = None):
+        super().__init__(f"ddp_notebook: {where}{kept}. The cells queued after this one are not run.")
+        self.where = where  # "stopped at epoch 4, batch 17", "job #3 stopped at step 41"
+        self.results = results
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of a traceback
+        return [str(self)]
+
+
 class TrainingStopped(BaseException):
     """Raised in a rank by a loader iterated again after a graceful stop: the cell ends there, normally.
 

@@ -101,8 +101,8 @@ def install(send: Callable[[str, dict], None] | None, receive_answer: Callable[[
     pdb.set_trace = set_trace
     dist = sys.modules.get("torch.distributed")
     # torch's own debugger opens /dev/stdin: made by _make_distributed_pdb() in torch 2.6 on, _DistributedPdb() before.
-    for maker in ("_make_distributed_pdb", "_DistributedPdb"):
-        if dist is not None and hasattr(dist, maker):
+    for maker in ("_make_distributed_pdb", "_DistributedPdb") if dist is not None else ():
+        if hasattr(dist, maker):
             setattr(dist, maker, RankPdb)
 
 

@@ -1,6 +1,6 @@
 """Cold jobs: what a job's ranks wait for before they run (issue 30), written to benchmarks/RESULTS_cold.md.
 
-    python benchmarks/bench_cold.py [--repeats 8] [--before PATH]
+    python benchmarks/bench_cold.py [--repeats 8] [--before PATH] [--only fresh,bert,env,background] [--out FILE]
 
 Three parts, contenders alternating (the order rotating every repeat), medians:
 
@@ -8,6 +8,9 @@ Three parts, contenders alternating (the order rotating every repeat), medians:
   and, from a live process, ``launch()`` with the template warm and accelerate's ``notebook_launcher``;
 - a kernel that has imported transformers and built a tiny BERT: a cold ``launch()`` and a ``%%ddp --cpus 2`` cell of
   a function that builds the same BERT on 2 ranks, against ``notebook_launcher`` in the same kernel;
+- a changed environment (issue 35): a script and the BERT kernel change a variable before each cold ``launch()``
+  (a user's, accelerate's launcher run first, one torch reads as it loads), against the same job unchanged
+  (``--only env --out RESULTS_env.md`` writes this part alone);
 - a ``%%ddp --background`` cell right after ``%load_ext ddp_notebook`` in a fresh kernel, timed from the client.
 
 ``--before PATH``: a folder holding an older ``ddp_notebook`` (e.g. ``git archive BASE ddp_notebook | tar -x -C
@@ -187,6 +190,62 @@ def kernel_bert(repeats: int) -> tuple[dict[str, list[float]], str]:
         km.shutdown_kernel(now=True)
 
 
+def changed_environment_script(repeats: int, work: str) -> dict[str, list[float]]:
+    """Live processes (a script, no cell ends) whose environment changes before every timed ``launch()``."""
+    callers = [
+        ("`launch()`, environment unchanged", "launch"),
+        ("`launch()`, a user's variable changed before each", "launch-user-variable"),
+        ("`launch()` after accelerate's `notebook_launcher` each time", "launch-after-accelerate"),
+        ("`launch()`, a variable libtorch reads as it loads changed before each", "launch-torch-variable"),
+        ("`launch()`, the same change, ranks started fresh (template off)", "launch-no-template-torch-variable"),
+    ]
+    if not run._version("accelerate"):
+        callers = [c for c in callers if "accelerate" not in c[1]]
+    processes = [run.Caller(name, kind, tempfile.mkdtemp(prefix=f"{kind}-", dir=work)) for name, kind in callers]
+    for p in processes:
+        p.start()
+    try:
+        return rounds({p.name: p.once for p in processes}, repeats)
+    finally:
+        for p in processes:
+            p.stop()
+
+
+CHANGED_IN_CELL = {
+    "cold `launch()`, environment unchanged": "",
+    "cold `launch()`, a user's variable set in the same cell": "os.environ['WANDB_PROJECT'] = f'run-{time.time()}'",
+    "cold `launch()` right after `notebook_launcher` in the same cell":
+        "notebook_launcher(tiny_bert_self_init, (), num_processes=2, use_port=str(free_port()))",
+    "cold `launch()`, `HF_HOME` (read by transformers at import) changed in the same cell":
+        "os.environ['HF_HOME'] = os.path.expanduser('~/.cache/huggingface-' + str(int(time.time() * 1e6) % 2))",
+}
+TIMED_LAUNCH = """
+{change}
+_started = time.perf_counter()
+ddp_notebook.launch(tiny_bert, cpus=2)
+print("TOOK", time.perf_counter() - _started)
+"""
+
+
+def changed_environment_kernel(repeats: int) -> tuple[dict[str, list[float]], str]:
+    """The BERT kernel: a cold ``launch()`` timed in a cell that first changed the environment."""
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _cell(kc, KERNEL_SETUP)
+        settled = _cell(kc, SETTLE)[1].strip()
+
+        def timed(change: str) -> float:
+            took = float(re.search(r"TOOK (\S+)", _cell(kc, TIMED_LAUNCH.format(change=change))[1]).group(1))
+            if "HF_HOME" in change:  # a new template: its preloads must not weigh on the next contender
+                _cell(kc, SETTLE)
+            return took
+
+        return rounds({name: (lambda c=c: timed(c)) for name, c in CHANGED_IN_CELL.items()}, repeats), settled
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 BACKGROUND = "%%ddp --background --cpus 2\npass"
 TEMPLATE_STATE = "from ddp_notebook.engine import template as _t\nprint('READY', _t.current().wait_ready(timeout=0))"
 
@@ -247,7 +306,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--background-repeats", type=int, default=5)
     parser.add_argument("--before", help="a folder holding an older ddp_notebook, measured alongside")
-    parser.add_argument("--only", default="fresh,bert,background")
+    parser.add_argument("--only", default="fresh,bert,env,background")
+    parser.add_argument("--out", default="RESULTS_cold.md", help="the file under benchmarks/ to write")
     args = parser.parse_args()
     only = set(args.only.split(","))
     load_before = os.getloadavg()
@@ -293,6 +353,34 @@ def main() -> None:
                           f"{_verdict(_ratio(times, names[0], names[1]), 2.0)}",
                       f"- `%%ddp --cpus 2` cell / a `notebook_launcher` cell, from the client: "
                       f"{_verdict(_ratio(times, names[2], names[3]), 2.0)}", ""]
+        if "env" in only:
+            times = changed_environment_script(args.repeats, work)
+            unchanged = "`launch()`, environment unchanged"
+            lines += ["## A changed environment, in a script", "",
+                      "A live process changes its environment before each timed `launch()` of the trivial job (no "
+                      "cell ends here, so nothing else makes a template). A variable only read when used reaches "
+                      "ranks forked from the same template; one libtorch reads as it loads makes a new template, "
+                      "which the job waits for (fresh ranks, the alternative, each import torch).", "",
+                      "| contender | time | / unchanged |", "|---|---|---|"]
+            lines += [f"| {name} | {_ms(v)} | {_ratio(times, name, unchanged):.2f}× |" for name, v in times.items()]
+            lines += [""] + [f"- {name} / unchanged: {_verdict(_ratio(times, name, unchanged), 2.0)}"
+                             for name in times if name != unchanged and "libtorch" not in name and "fresh" not in name]
+            torch_variable = [name for name in times if "libtorch" in name]
+            if torch_variable:
+                fresh = "`launch()`, the same change, ranks started fresh (template off)"
+                lines.append(f"- a variable libtorch reads as it loads, waiting for the new template / fresh ranks: "
+                             f"{_ratio(times, torch_variable[0], fresh):.2f}×")
+            times, settled = changed_environment_kernel(args.repeats)
+            names = list(times)
+            lines += ["", "## A changed environment, in a kernel that imported transformers", "",
+                      f"The BERT kernel above (`{settled}`); each cell changes the environment, then times a cold "
+                      "`launch(tiny_bert, cpus=2)`, as Run All runs such a cell. `HF_HOME` is read by "
+                      "`huggingface_hub` as transformers imports: a new template (its preloads waited for "
+                      "untimed after each round).", "",
+                      "| contender | time | / unchanged |", "|---|---|---|"]
+            lines += [f"| {name} | {_ms(v)} | {_ratio(times, name, names[0]):.2f}× |" for name, v in times.items()]
+            lines += [""] + [f"- {name} / unchanged: {_verdict(_ratio(times, name, names[0]), 2.0)}"
+                             for name in names[1:3]] + [""]
         if "background" in only:
             times, readiness = background(args.background_repeats, args.before)
             name = "`%%ddp --background` right after `%load_ext`"
@@ -305,7 +393,7 @@ def main() -> None:
             median = statistics.median(times[name])
             met = "met" if median <= 0.3 else "missed"
             lines += ["", f"- right after `%load_ext`: {median:.2f} s (≤ 0.3 s: {met})", ""]
-    path = os.path.join(HERE, "RESULTS_cold.md")
+    path = os.path.join(HERE, args.out)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

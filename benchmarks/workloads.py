@@ -274,19 +274,38 @@ def caller(kind: str) -> None:
 
     ``launch``: the rank template stays warm between calls (as in a kernel); ``launch-template-cold``: it is
     stopped before each call, so the call starts one and waits for it; ``launch-no-template``: ranks started
-    fresh (``DDP_NOTEBOOK_TEMPLATE=0``).
+    fresh (``DDP_NOTEBOOK_TEMPLATE=0``).  The environment changed before each call (only the ``launch()`` timed):
+    ``launch-user-variable`` a variable of the user's; ``launch-after-accelerate`` accelerate's ``notebook_launcher``
+    runs first (it leaves ``TORCHELASTIC_SIGNALS_TO_HANDLE`` set); ``launch-torch-variable`` and
+    ``launch-no-template-torch-variable`` a variable libtorch reads as it loads (``TORCH_CPP_LOG_LEVEL``), with the
+    template (a new one each call, whose preloads are waited for untimed) and with fresh ranks.
     """
     if kind.startswith("launch"):
         import ddp_notebook
         from ddp_notebook.engine import template
 
-        if kind == "launch-no-template":
+        if kind.startswith("launch-no-template"):
             os.environ["DDP_NOTEBOOK_TEMPLATE"] = "0"
+        if kind == "launch-after-accelerate":
+            from accelerate import notebook_launcher
+        calls = iter(range(1 << 30))
 
         def once():
+            n = next(calls)
             if kind == "launch-template-cold":
                 template.stop()
+            elif kind == "launch-user-variable":
+                os.environ["WANDB_PROJECT"] = f"run-{n}"
+            elif kind == "launch-after-accelerate":
+                notebook_launcher(trivial_self_init, (), num_processes=2, use_port=str(free_port()))
+            elif kind.endswith("torch-variable"):
+                os.environ["TORCH_CPP_LOG_LEVEL"] = ("WARNING", "ERROR")[n % 2]
+            started = time.perf_counter()
             ddp_notebook.launch(trivial, cpus=2)
+            took = time.perf_counter() - started
+            if kind == "launch-torch-variable":
+                template.current().wait_preloaded()  # its preloads must not weigh on the next contender
+            return took
     elif kind == "lightning":
         from lightning.fabric import Fabric
 
@@ -303,8 +322,8 @@ def caller(kind: str) -> None:
         if line.strip() != "go":
             break
         started = time.perf_counter()
-        once()
-        print(f"took {time.perf_counter() - started:.6f}", flush=True)
+        took = once()
+        print(f"took {time.perf_counter() - started if took is None else took:.6f}", flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -88,14 +88,6 @@ def test_forked_ranks_see_what_fresh_ranks_see(monkeypatch, no_leftovers):
     assert [" ".join(r["cmdline"]).split()[1:] for r in forked] == [r["cmdline"][1:] for r in fresh]
 
 
-def test_a_variable_read_at_start_that_differs_starts_the_ranks_fresh(monkeypatch, no_leftovers):
-    template_pid = _fresh_template()
-    monkeypatch.setenv("MKL_DDP_NOTEBOOK_TEST", "1")  # MKL_* is read when torch starts: a fork would not see it
-    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
-    assert {r["ppid"] for r in seen} == {os.getpid()}
-    assert template.current_pid() == template_pid  # the template stays for the ranks that can use it
-
-
 def test_a_new_template_when_the_package_changes_on_disk_or_the_template_died(no_leftovers):
     first = _fresh_template()
     version_file = os.path.join(os.path.dirname(ddp_notebook.__file__), "version.py")

@@ -36,6 +36,15 @@ MessageHandler = Callable[[int, str, dict], None]
 ExitHandler = Callable[[int, "int | None"], None]
 
 
+# What rank_environment sets for each rank (or job) itself: never a reason to start a new rank template (every job
+# differs from the template in them).  A forked rank applies OMP_NUM_THREADS itself (rank/worker.py).
+PER_RANK_VARIABLES = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "DDP_NOTEBOOK_RANK", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER", "MPLBACKEND", "PYTHONUNBUFFERED",
+})
+
+
 def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_world_size: int,
                      node: int = 0) -> dict[str, str]:
     """The environment of one rank: the kernel's, the spec's extra variables and the torchrun contract.

@@ -41,14 +41,24 @@ import warnings
 
 from ..wire import forking
 from ..wire.channel import ready_now
+from .backend import PER_RANK_VARIABLES
 
 log = logging.getLogger("ddp_notebook")
 
 READY_TIMEOUT_S = 60.0
-# Variables read when an interpreter or torch starts: a rank whose value differs from the template's is started
-# fresh, as the fork would not see them.
-_READ_AT_START = ("LD_", "PYTHON", "MALLOC_", "MKL_", "KMP_", "GOMP_", "OMP_", "TORCH", "DDP_NOTEBOOK_TEMPLATE")
-_SET_PER_RANK = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+# Variables native code reads as it loads, which no look-up in os.environ shows (the template records those of
+# Python code): the interpreter's, the C library's, and those of the libraries torch loads (OpenMP, MKL, oneDNN,
+# OpenBLAS, gfortran, numpy, Kineto, MPI, libtorch).  Read off torch 2.13's import with a getenv interposer;
+# tests/test_template_environment.py reads the torch installed the same way and checks it reads nothing else.
+NATIVE_READ_AT_LOAD = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "OMP_", "GOMP_", "KMP_", "MKL", "DNNL_",
+                       "ONEDNN_", "OPENBLAS_", "GOTO_", "GFORTRAN_", "NPY_", "NUMPY_", "KINETO_", "PYTORCH_",
+                       "OPENSSL_", "I_MPI_", "OMPI_", "MPI_", "ACC_DEVICE_", "INTEL_")
+# libtorch's own, by name: most TORCH_ variables (TORCH_NCCL_*, TORCH_HOME, ...) are read when used.
+TORCH_NATIVE_READ_AT_LOAD = frozenset({
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT",
+    "TORCH_CPP_LOG_LEVEL", "TORCH_CUSTOM_TERMINATE", "TORCH_DISTRIBUTED_DEBUG", "TORCH_LINALG_PREFER_CUSOLVER",
+    "TORCH_LINALG_PREFER_HIPSOLVER", "TORCH_ROCM_FA_PREFER_CK", "TORCH_SHOW_CPP_STACKTRACES",
+})
 
 # The package's folder, from this file's place in it (importing the package root here would be an import loop).
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,10 +223,16 @@ def template_environment() -> dict[str, str]:
     return env
 
 
-def _start_time_differences(env: dict[str, str], template_env: dict[str, str]) -> list[str]:
-    names = set(env) | set(template_env)
-    return sorted(n for n in names if n.startswith(_READ_AT_START) and n not in _SET_PER_RANK
-                  and env.get(n) != template_env.get(n))
+def read_by_native_code(name: str) -> bool:
+    """Whether native code of the interpreter or of what torch loads reads variable ``name`` as it loads."""
+    return name.startswith(NATIVE_READ_AT_LOAD) or name in TORCH_NATIVE_READ_AT_LOAD
+
+
+def changed_variables(env: dict[str, str], since: dict[str, str]) -> list[str]:
+    """The variables whose value in ``env`` differs from ``since`` (set, changed or removed), but for those every
+    rank or job sets itself."""
+    return sorted(name for name in set(env) | set(since)
+                  if env.get(name) != since.get(name) and name not in PER_RANK_VARIABLES)
 
 
 class ForkedProcess:
@@ -295,6 +311,9 @@ class Template:
         finally:
             theirs.close()
         self.ready = False
+        # variable -> what looked it up as the template imported it ("torch", a preloaded library): a fork would
+        # not see a later change of it
+        self.looked_up: dict[str, str] = {}
         self.asked: dict[str, tuple] = {}  # library sent to preload -> its stamp then (see _where_on_disk)
         self.asked_modules: set[str] = set()  # the libraries and their modules sent
         self.unanswered = 0
@@ -309,6 +328,8 @@ class Template:
     def _take(self, message: dict) -> None:
         """Note what the template said on its own: ready, or a module preloaded (or left to the ranks)."""
         kind = message.get("kind")
+        for name in message.get("environment_read", ()):
+            self.looked_up.setdefault(name, message.get("module", "torch"))
         if kind == forking.READY:
             self.ready = True
             log.debug("rank template ready: pid %s", self.proc.pid)
@@ -357,8 +378,10 @@ class Template:
         with self.forking:
             if not self.ready:
                 self._receive()
-            if not self.ready and timeout > 0 and self._receive(forking.READY, timeout) is not None:
-                self._take({"kind": forking.READY})
+            if not self.ready and timeout > 0:
+                message = self._receive(forking.READY, timeout)
+                if message is not None:
+                    self._take(message)
             return self.ready and self.proc.poll() is None
 
     def wait_preloaded(self, timeout: float = READY_TIMEOUT_S) -> bool:
@@ -374,10 +397,28 @@ class Template:
                 self._take(message)
         return True
 
+    def read_at_import(self, name: str) -> str | None:
+        """What read variable ``name`` when the template imported it (so that a rank forked from it would not see
+        a change): Python code that looked it up (``"torch"``, a preloaded library), or ``"native code"`` (see
+        ``NATIVE_READ_AT_LOAD``); None when nothing did, or every rank sets it itself."""
+        if name in PER_RANK_VARIABLES:
+            return None
+        if name in self.looked_up:
+            return self.looked_up[name]
+        return "native code" if read_by_native_code(name) else None
+
+    def stale_for(self, env: dict[str, str]) -> list[str]:
+        """The variables whose value in ``env`` differs from the template's and that it read as it imported, each
+        as ``NAME (read by WHAT)``: a rank forked with ``env`` would start from imports that saw other values."""
+        with self.forking:
+            self._receive()  # what it has said it read since
+        return [f"{name} (read by {self.read_at_import(name)})" for name in changed_variables(env, self.env)
+                if self.read_at_import(name)]
+
     def usable(self) -> bool:
-        """Alive, not tainted, and started from the torch, ddp_notebook and preloaded libraries on disk now (and,
-        once it preloaded a library of the notebook's, from the environment of now, which it may have read:
-        torch._dynamo reads only variables that the start-time rule covers)."""
+        """Alive, not tainted, and started from the torch, ddp_notebook and preloaded libraries on disk now, and
+        from an environment that agrees with the one of now in every variable its imports read
+        (:meth:`stale_for`; the ranks take the others as they are when forked)."""
         with self.forking:
             self._receive()
         if self.proc.poll() is not None or self.tainted is not None or self.fingerprint != _code_fingerprint():
@@ -386,8 +427,10 @@ class Template:
         if changed:
             log.debug("rank template replaced: %s changed on disk", ", ".join(changed))
             return False
-        if any(name not in FIRST_PRELOADS for name in self.asked) and self.env != template_environment():
-            log.debug("rank template replaced: the environment changed since it preloaded libraries")
+        stale = self.stale_for(template_environment())
+        if stale:
+            log.debug("rank template replaced: changed since it started, and read as it imported: %s",
+                      ", ".join(stale))
             return False
         return True
 
@@ -440,10 +483,11 @@ class Template:
             f"{name} ({len(modules)} modules)" if modules else name for name, modules in steps))
 
     def fork(self, boot: dict, env: dict[str, str], cwd: str, store_fd: int | None) -> ForkedProcess | None:
-        """Fork one rank; None when its environment differs from the template's in what is read at start."""
-        differs = _start_time_differences(env, self.env)
-        if differs:
-            log.debug("rank started fresh: %s differ from the template's", ", ".join(differs))
+        """Fork one rank; None when its environment differs from the template's in a variable the template read as
+        it imported (:meth:`stale_for`: a job's own ``env`` of the spec, or a change made as the job started)."""
+        stale = self.stale_for(env)
+        if stale:
+            log.debug("rank started fresh: its environment differs from the template's in %s", ", ".join(stale))
             return None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -534,6 +578,10 @@ def for_job() -> "Template | None":
         try:
             template.hold()
             if template.wait_ready():
+                changed = changed_variables(template_environment(), template.env)
+                if changed:
+                    log.debug("rank template pid %s: ranks forked with the environment of now; changed since it "
+                              "started, and read only when used: %s", template.proc.pid, ", ".join(changed))
                 return template
         except OSError:  # it died as the job came
             pass
@@ -563,8 +611,9 @@ def preload_notebook_libraries(*_) -> None:
     with _lock:
         template = _current
         if template is None or not enabled() or (template.asked and template.tainted is None
-                                                  and len(sys.modules) == template.modules_when_asked):
-            return  # (the cheap test first: nothing imported since; most cells)
+                                                  and len(sys.modules) == template.modules_when_asked
+                                                  and not template.stale_for(template_environment())):
+            return  # (the cheap tests first: nothing imported, no variable the template read changed; most cells)
         try:
             template = warm_up()  # a tainted or outdated template is replaced
             if template is not None and template.wait_ready(timeout=0):

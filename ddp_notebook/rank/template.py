@@ -23,6 +23,7 @@ here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -191,20 +192,50 @@ def taint(threads_before: int) -> str | None:
     return None
 
 
+class _RecordingEnviron(os._Environ):
+    """``os.environ`` while the template imports: notes every variable Python code looks up (found or not), so
+    that the notebook knows which of its later changes a forked rank would not see.  Looking through the whole
+    environment (iterating it, as tqdm does for its ``TQDM_`` defaults) is not a look-up of a name."""
+
+    looked_up: set[str] = set()
+
+    def __getitem__(self, key):
+        _RecordingEnviron.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        _RecordingEnviron.looked_up.add(key)
+        return super().__contains__(key)
+
+
+@contextlib.contextmanager
+def environment_reads():
+    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too) is added to the yielded set."""
+    names: set[str] = set()
+    _RecordingEnviron.looked_up = names
+    os.environ.__class__ = _RecordingEnviron
+    try:
+        yield names
+    finally:
+        os.environ.__class__ = os._Environ  # a rank forked later has the plain mapping
+
+
 def _preload(name: str, modules: list[str], sys_path: list[str], threads_before: int) -> dict:
     """Import library ``name`` and those of its ``modules`` that import here (the rest are the ranks' to import)."""
     sys.path[:] = sys_path  # the notebook's: where it imports from (a rank takes the one of its start)
-    try:
-        library = importlib.import_module(name)
-    except BaseException as exc:  # noqa: BLE001 - even SystemExit: the ranks import it themselves
-        result = {"module": name, "error": f"{type(exc).__name__}: {exc}".strip()}
-    else:
-        result = {"module": name, "file": getattr(library, "__file__", None)}
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except BaseException:  # noqa: BLE001 - one the notebook made by other means, or that needs it
-                result.setdefault("skipped", []).append(module)
+    with environment_reads() as read:
+        try:
+            library = importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - even SystemExit: the ranks import it themselves
+            result = {"module": name, "error": f"{type(exc).__name__}: {exc}".strip()}
+        else:
+            result = {"module": name, "file": getattr(library, "__file__", None)}
+            for module in modules:
+                try:
+                    importlib.import_module(module)
+                except BaseException:  # noqa: BLE001 - one the notebook made by other means, or that needs it
+                    result.setdefault("skipped", []).append(module)
+    result["environment_read"] = sorted(read)
     tainted = taint(threads_before)
     if tainted:
         result.update(error=tainted, tainted=True)
@@ -217,14 +248,15 @@ def main() -> None:
     stop_watching = _end_when_the_notebook_goes(sock, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook stops it; interrupts are for cells
     os.environ["SPT_NOENV"] = "1"  # setproctitle must leave the environment block (and so /proc/PID/environ) alone
-    import cloudpickle  # noqa: F401  what every rank imports, once
-    import numpy  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.utils.data  # noqa: F401
+    with environment_reads() as read:
+        import cloudpickle  # noqa: F401  what every rank imports, once
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+        import torch.utils.data  # noqa: F401
 
-    from ..wire import channel, forking, payload, sharing  # noqa: F401
-    from . import checkpoint, context, data, metrics, worker  # noqa: F401
+        from ..wire import channel, forking, payload, sharing  # noqa: F401
+        from . import checkpoint, context, data, metrics, worker  # noqa: F401
 
     stop_watching()  # the loop below watches for the notebook itself
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
@@ -237,7 +269,7 @@ def main() -> None:
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(statuses))  # (also wakes the loop, through the pipe)
     threads_before = threads_at_a_fork()
-    forking.send(sock, {"kind": forking.READY, "pid": os.getpid()})
+    forking.send(sock, {"kind": forking.READY, "pid": os.getpid(), "environment_read": sorted(read)})
     to_preload: collections.deque[tuple[str, list[str]]] = collections.deque()  # (library, its modules)
     preload_path = list(sys.path)
     held = False  # a job's ranks are being forked: no import in between

@@ -1,0 +1,198 @@
+"""A change to the kernel's environment never silently costs fresh ranks, and ranks always see the environment of now.
+
+The rule (engine/template.py): a variable the template read as it imported (looked up by Python code, which the
+template records; or read by native code as it loads, by name) makes a new template, started at once in the
+background; any other change is applied in the forked rank.  Real templates, real ranks over gloo; a real kernel
+for the notebook's libraries, and a getenv interposer (built here with gcc) for what native code reads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ddp_notebook
+from ddp_notebook.engine import template
+from nbrun import execute, kernel
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _what_a_rank_sees():
+    import ctypes
+    import logging
+    import os
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    native = getenv(b"TORCHELASTIC_SIGNALS_TO_HANDLE")
+    return {
+        "ppid": os.getppid(), "user": os.environ.get("DDPNB_TEST_USER_VARIABLE"),
+        "elastic": os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE"),
+        "elastic_native": native.decode() if native is not None else None,  # what C code reading it now sees
+        "dynamo_log_level": logging.getLogger("torch._dynamo").level,  # TORCH_LOGS, applied as torch imports
+        "mkl": os.environ.get("MKL_DDPNB_TEST"),
+    }
+
+
+def _fresh_template() -> int:
+    template.stop()
+    started = template.ready_template()
+    assert started is not None
+    return started.proc.pid
+
+
+def test_variables_read_when_used_reach_ranks_forked_from_the_same_template(monkeypatch, no_leftovers):
+    template_pid = _fresh_template()
+    monkeypatch.setenv("DDPNB_TEST_USER_VARIABLE", "set after the template started")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")  # what accelerate's launcher leaves set
+    for _ in range(2):
+        seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+        assert [r["ppid"] for r in seen] == [template_pid] * 2  # forked from it, not started fresh
+        for rank_saw in seen:
+            assert rank_saw["user"] == "set after the template started"
+            assert rank_saw["elastic"] == rank_saw["elastic_native"] == "SIGTERM"
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE")  # removed: the ranks see it gone
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert [(r["ppid"], r["elastic"], r["elastic_native"]) for r in seen] == [(template_pid, None, None)] * 2
+    assert template.current_pid() == template_pid
+
+
+@pytest.mark.parametrize("name, value", [("TORCH_LOGS", "+dynamo"), ("MKL_DDPNB_TEST", "1")],
+                         ids=["looked-up-by-torch", "read-by-native-code"])
+def test_a_variable_the_template_read_at_import_makes_a_new_template_the_ranks_start_from(monkeypatch, name, value,
+                                                                                         no_leftovers):
+    first = _fresh_template()
+    assert template.current().read_at_import(name) == ("torch" if name == "TORCH_LOGS" else "native code")
+    before = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert [r["ppid"] for r in before] == [first] * 2
+    monkeypatch.setenv(name, value)
+    for _ in range(2):  # the first job after the change and the next ones: all from the new template
+        seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+        second = template.current_pid()
+        assert second not in (None, first) and [r["ppid"] for r in seen] == [second] * 2
+    if name == "TORCH_LOGS":  # the rank's torch imported with it, as a fresh process's would
+        assert [r["dynamo_log_level"] for r in seen] == [10, 10] != [r["dynamo_log_level"] for r in before]
+    else:
+        assert [r["mkl"] for r in seen] == ["1", "1"]
+
+
+def test_a_job_whose_own_variables_the_template_read_starts_fresh_ranks():
+    current = template.ready_template()
+    assert current.stale_for(dict(current.env, MKL_DDPNB_TEST="1")) == ["MKL_DDPNB_TEST (read by native code)"]
+    assert current.stale_for(dict(current.env, DDPNB_TEST_USER_VARIABLE="1", RANK="3", MASTER_PORT="1")) == []
+    assert current.fork({}, dict(current.env, MKL_DDPNB_TEST="1"), os.getcwd(), None) is None
+
+
+_GETENV_LOGGER = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static void note(const char *name) {
+    int fd = open(LOG_PATH, O_WRONLY | O_APPEND | O_CREAT, 0600);
+    if (fd >= 0) { write(fd, name, strlen(name)); write(fd, "\n", 1); close(fd); }
+}
+char *getenv(const char *name) {
+    static char *(*real)(const char *);
+    if (!real) real = dlsym(RTLD_NEXT, "getenv");
+    note(name);
+    return real(name);
+}
+char *secure_getenv(const char *name) {
+    static char *(*real)(const char *);
+    if (!real) real = dlsym(RTLD_NEXT, "secure_getenv");
+    note(name);
+    return real(name);
+}
+"""
+
+_IMPORTS = textwrap.dedent("""
+    import ctypes
+    getenv = ctypes.CDLL(None).getenv
+    getenv(b"DDPNB_MARK_IMPORTS")
+    import cloudpickle, numpy, torch, torch.distributed, torch.utils.data
+    from ddp_notebook.rank import template, worker
+    import torch._dynamo, torch.nn.parallel
+    getenv(b"DDPNB_MARK_DONE")
+""")
+
+
+def test_what_native_code_reads_as_torch_loads_is_what_the_template_counts_as_read(tmp_path):
+    """The names native code reads while the template's imports run (torch, numpy, the rank side, the first
+    preloads), through a getenv interposer: every one is one the template treats as read at import."""
+    log = tmp_path / "getenv.log"
+    source = tmp_path / "getenv_logger.c"
+    source.write_text(_GETENV_LOGGER.replace("LOG_PATH", json.dumps(str(log))))
+    shim = tmp_path / "getenv_logger.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"], check=True)
+    subprocess.run([sys.executable, "-c", _IMPORTS], check=True, env=dict(os.environ, LD_PRELOAD=str(shim)))
+    names = log.read_text().split()
+    window = names[names.index("DDPNB_MARK_IMPORTS") + 1:names.index("DDPNB_MARK_DONE")]
+    assert len(window) > 20  # OpenMP, MKL, oneDNN, libtorch... (an empty window would prove nothing)
+    assert sorted({name for name in window if not template.read_by_native_code(name)}) == []
+
+
+_FAKE_LIBRARY = 'import os\nSETTING = os.environ.get("DDPNB_FAKE_ENVLIB_SETTING")\n'
+
+_KERNEL_SETUP = textwrap.dedent("""
+    import json, logging, os, sys, time
+    import ddp_notebook
+    from ddp_notebook.engine import template as t
+
+    DEBUG_LOG = []
+    _handler = logging.Handler(logging.DEBUG)
+    _handler.emit = lambda record: DEBUG_LOG.append(record.getMessage())
+    logging.getLogger("ddp_notebook").addHandler(_handler)
+    logging.getLogger("ddp_notebook").setLevel(logging.DEBUG)
+
+    def seen():
+        import os, ddpnb_fake_envlib
+        return {"ppid": os.getppid(), "user": os.environ.get("WANDB_PROJECT"),
+                "setting": ddpnb_fake_envlib.SETTING, "env_setting": os.environ.get("DDPNB_FAKE_ENVLIB_SETTING")}
+""")
+
+
+def test_in_a_kernel_a_change_in_the_cell_of_the_jobs_keeps_them_forked_and_a_library_read_makes_a_new_template(
+        tmp_path, no_leftovers):
+    (tmp_path / "ddpnb_fake_envlib.py").write_text(_FAKE_LIBRARY)
+    info = tmp_path / "ddpnb_fake_envlib-1.0.dist-info"  # an installed library: the template preloads it
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ddpnb_fake_envlib\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("ddpnb_fake_envlib\n")
+    with kernel() as (km, kc):
+        said = execute(kc, [
+            _KERNEL_SETUP,
+            f"sys.path.insert(0, {str(tmp_path)!r})\nimport ddpnb_fake_envlib",
+            # after a job and a cell the template preloads the library; wait until it has
+            "ddp_notebook.launch(seen, cpus=2)",
+            "first = t.current(); assert first.wait_preloaded(); print('PRELOADED', 'ddpnb_fake_envlib' in "
+            "first.preloaded, first.read_at_import('DDPNB_FAKE_ENVLIB_SETTING'))",
+            # one cell, as Run All runs it: a user's variable changed, then three jobs
+            "os.environ['WANDB_PROJECT'] = 'demo'\n"
+            "print('SAME ' + json.dumps([ddp_notebook.launch(seen, cpus=2) for _ in range(3)] + [first.proc.pid]))",
+            # a variable the preloaded library read as it imported: the rank must see what a fresh import sees
+            "os.environ['DDPNB_FAKE_ENVLIB_SETTING'] = 'new'\n"
+            "print('NEW ' + json.dumps([ddp_notebook.launch(seen, cpus=2) for _ in range(2)] + [t.current_pid()]))",
+            "print('NOTEBOOK', ddpnb_fake_envlib.SETTING)",
+            "print('LOG ' + json.dumps(DEBUG_LOG))",
+        ])
+    assert "PRELOADED True ddpnb_fake_envlib" in said
+    *same, first_pid = json.loads(re.search(r"SAME (.*)", said).group(1))
+    for job in same:
+        assert job == [{"ppid": first_pid, "user": "demo", "setting": None, "env_setting": None}] * 2
+    *new, second_pid = json.loads(re.search(r"NEW (.*)", said).group(1))
+    assert second_pid != first_pid
+    for job in new:
+        assert job == [{"ppid": second_pid, "user": "demo", "setting": "new", "env_setting": "new"}] * 2
+    assert "NOTEBOOK None" in said  # imported before the change, the notebook's own copy kept what it read
+    log = json.loads(re.search(r"LOG (.*)", said).group(1))
+    assert any("forked with the environment of now" in line and "WANDB_PROJECT" in line for line in log)
+    assert any("replaced" in line and "DDPNB_FAKE_ENVLIB_SETTING (read by ddpnb_fake_envlib)" in line for line in log)

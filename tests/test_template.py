@@ -72,7 +72,8 @@ def test_a_forked_rank_takes_the_session_environment_directory_and_path_of_now(t
         assert rank_saw["tag"] == os.environ["DDP_NOTEBOOK_TEST_TAG"]
         assert rank_saw["signals"]["SIGCHLD"] == repr(signal.SIG_DFL) and rank_saw["wakeup_fd"] == -1
         # It reads as a fresh rank does, to ps and to anything that looks for ranks by their command line.
-        assert " ".join(rank_saw["cmdline"]).split()[1:] == ["-m", "ddp_notebook.rank.worker"]
+        assert " ".join(rank_saw["cmdline"]).split()[1:] == \
+            template.python_module_command("ddp_notebook.rank.worker")[1:]  # -P: nothing of the working folder
         assert rank_saw["argv0"].endswith(os.path.join("rank", "worker.py"))
 
 

@@ -33,6 +33,7 @@ class LocalRanks(ChannelRanks):
     def __init__(self, spec, relay):
         super().__init__(spec, relay)
         self._port_held: socket.socket | None = None  # MASTER_PORT, bound (not listening) while the ranks run
+        self._libraries: dict[str, str] = {}  # the notebook's libraries the working folder would shadow -> their files
 
     def close(self) -> None:
         super().close()
@@ -67,6 +68,7 @@ class LocalRanks(ChannelRanks):
             elif self.port is None:
                 self.port = spec.port or free_port(spec.master_addr)
             self.channel = ChannelServer(spec.master_addr)
+            self._libraries = rank_template.shadowed_libraries()
             template = rank_template.for_job()
             try:
                 for rank in range(spec.world_size):
@@ -92,6 +94,7 @@ class LocalRanks(ChannelRanks):
             "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
             "store_file": self._store_file if spec.init_group and spec.port is None else None,
             "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
+            "libraries": self._libraries,
         }
         env = rank_environment(spec, self.port, rank, rank, spec.world_size)
         store_fd = store_sock.fileno() if rank == 0 and store_sock is not None else None
@@ -102,8 +105,9 @@ class LocalRanks(ChannelRanks):
                 pass_fds = (store_fd,)
                 boot["store_fd"] = store_fd
             proc = subprocess.Popen(
-                [sys.executable, "-m", "ddp_notebook.rank.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=env, cwd=os.getcwd(), start_new_session=True, pass_fds=pass_fds,
+                rank_template.python_module_command("ddp_notebook.rank.worker"), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=os.getcwd(), start_new_session=True,
+                pass_fds=pass_fds,
             )
             proc.stdin.write(json.dumps(boot).encode())
             proc.stdin.close()

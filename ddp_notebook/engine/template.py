@@ -99,23 +99,65 @@ def _code_fingerprint() -> tuple:
     return tuple(stamps)
 
 
-def _where_on_disk(name: str) -> tuple:
-    """The file ``import name`` would load now (past ``sys.modules``), and its size and time: a library's stamp."""
-    origin = None
+def _stamp(path: str | None) -> tuple:
+    """A library's file, and its size and time now: what says it changed on disk."""
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):
+        return (path, None)
+    return (path, st.st_mtime_ns, st.st_size)
+
+
+def _found_without_working_folder(name: str) -> bool:
+    """Whether ``import name`` finds a module with the working folder left out of ``sys.path``."""
+    cwd = os.getcwd()
+    path = [p for p in sys.path if p and os.path.abspath(p) != cwd]
     for finder in sys.meta_path:
         find = getattr(finder, "find_spec", None)
         try:
-            spec = find(name, None) if find is not None else None
-        except (ImportError, ValueError, AttributeError):
+            if find is not None and find(name, path) is not None:
+                return True
+        except (ImportError, ValueError, AttributeError, TypeError):
             continue
-        if spec is not None:
-            origin = spec.origin
-            break
+    return False
+
+
+def python_module_command(module: str) -> list[str]:
+    """``python -m module`` for a process of ours (the template, a fresh rank) whose own imports (ddp_notebook,
+    torch, cloudpickle) never come from the working folder, which may be a shared one where others plant files:
+    ``-P`` (Python 3.11+) keeps it off ``sys.path``; the rank takes the notebook's path after those imports.  Where
+    ddp_notebook itself is found only there (run from its checkout, not installed), the folder stays."""
+    if not _found_without_working_folder("ddp_notebook"):
+        return [sys.executable, "-m", module]
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module]
+    return [sys.executable, "-c", f"import runpy, sys; del sys.path[0]; runpy.run_module({module!r}, "
+                                  "run_name='__main__', alter_sys=True)"]
+
+
+def library_file(name: str) -> str | None:
+    """The file this process imported library ``name`` from: the only one the template may preload it from."""
+    module = sys.modules.get(name)
+    return getattr(module, "__file__", None) if module is not None else None
+
+
+def shadowed_libraries() -> dict[str, str]:
+    """The libraries this process imported (top-level modules, with their files) that a module or package of the same
+    name in the working folder would shadow in a process importing them now, with the working folder first on its
+    ``sys.path`` as the notebook's is: a rank imports each from the notebook's file (``rank/worker.py``), never a
+    file someone planted in a shared folder.  Looked for with one listing of the folder: most jobs find none."""
+    cwd = os.getcwd()
     try:
-        st = os.stat(origin)
-    except (OSError, TypeError):
-        return (origin, None)
-    return (origin, st.st_mtime_ns, st.st_size)
+        here = {entry.partition(".")[0] for entry in os.listdir(cwd)}
+    except OSError:
+        return {}
+    shadowed = {}
+    for name in here.intersection(sys.modules):
+        file = library_file(name)
+        if file and os.path.dirname(os.path.abspath(file)) != cwd and not os.path.abspath(file).startswith(
+                os.path.join(cwd, name, "")):
+            shadowed[name] = file
+    return shadowed
 
 
 @functools.lru_cache(maxsize=1)
@@ -301,7 +343,7 @@ class Template:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddp_notebook.rank.template", str(theirs.fileno()), str(os.getpid())],
+                [*python_module_command("ddp_notebook.rank.template"), str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, env=self.env, start_new_session=True, cwd=os.getcwd(),
             )
@@ -314,7 +356,7 @@ class Template:
         # variable -> what looked it up as the template imported it ("torch", a preloaded library): a fork would
         # not see a later change of it
         self.looked_up: dict[str, str] = {}
-        self.asked: dict[str, tuple] = {}  # library sent to preload -> its stamp then (see _where_on_disk)
+        self.asked: dict[str, tuple] = {}  # library sent to preload -> the stamp of the notebook's file then
         self.asked_modules: set[str] = set()  # the libraries and their modules sent
         self.unanswered = 0
         self.modules_when_asked = 0  # how many modules the notebook had when it last asked
@@ -323,7 +365,7 @@ class Template:
         self.forking = threading.RLock()  # one request on the socket at a time
         log.debug("rank template starting: pid %s", self.proc.pid)
         # Read once it is ready, after a job's HOLD if one came by then: what DDP needs, which no import here shows.
-        self._ask([[name, []] for name in FIRST_PRELOADS])
+        self._ask([[name, [], None] for name in FIRST_PRELOADS])  # (below torch: found where torch was)
 
     def _take(self, message: dict) -> None:
         """Note what the template said on its own: ready, or a module preloaded (or left to the ranks)."""
@@ -423,7 +465,7 @@ class Template:
             self._receive()
         if self.proc.poll() is not None or self.tainted is not None or self.fingerprint != _code_fingerprint():
             return False
-        changed = [name for name, stamp in self.asked.items() if "." not in name and _where_on_disk(name) != stamp]
+        changed = [name for name, stamp in self.asked.items() if stamp and _stamp(stamp[0]) != stamp]
         if changed:
             log.debug("rank template replaced: %s changed on disk", ", ".join(changed))
             return False
@@ -462,16 +504,16 @@ class Template:
                 continue
             new = [m for m in modules.get(name, ()) if m not in self.asked_modules]
             if name not in self.asked or new:
-                steps.append([name, new])
+                steps.append([name, new, library_file(name) if "." not in name else None])
         self._ask(steps)
 
     def _ask(self, steps: list[list]) -> None:
         if not steps:
             return
         with self.forking:
-            for name, modules in steps:
+            for name, modules, file in steps:
                 if name not in self.asked:
-                    self.asked[name] = _where_on_disk(name) if "." not in name else ()
+                    self.asked[name] = _stamp(file) if file else ()
                 self.asked_modules.update([name, *modules])
             try:
                 forking.send(self.sock, {"kind": forking.PRELOAD, "modules": steps,
@@ -480,7 +522,7 @@ class Template:
                 return
             self.unanswered += len(steps)
         log.debug("rank template asked to preload %s", ", ".join(
-            f"{name} ({len(modules)} modules)" if modules else name for name, modules in steps))
+            f"{name} ({len(modules)} modules)" if modules else name for name, modules, _ in steps))
 
     def fork(self, boot: dict, env: dict[str, str], cwd: str, store_fd: int | None) -> ForkedProcess | None:
         """Fork one rank; None when its environment differs from the template's in a variable the template read as

@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import importlib.util
 import os
 import select
 import signal
@@ -37,7 +38,9 @@ import threading
 import traceback
 from typing import Callable
 
-RANK_TITLE = "-m ddp_notebook.rank.worker"  # a forked rank's command line reads as a fresh rank's
+# A forked rank's command line reads as a fresh rank's (started as this process was: -P where the working folder is
+# kept off sys.path).
+RANK_TITLE = ("-P " if getattr(sys.flags, "safe_path", False) else "") + "-m ddp_notebook.rank.worker"
 LOOK_FOR_THE_NOTEBOOK_S = 0.2  # how often the template checks that the notebook still lives, when nothing wakes it
 
 
@@ -220,9 +223,29 @@ def environment_reads():
         os.environ.__class__ = os._Environ  # a rank forked later has the plain mapping
 
 
-def _preload(name: str, modules: list[str], sys_path: list[str], threads_before: int) -> dict:
-    """Import library ``name`` and those of its ``modules`` that import here (the rest are the ranks' to import)."""
+def _found_elsewhere(name: str, file: str | None) -> str | None:
+    """Where ``import name`` would find library ``name`` now, when that is not ``file``, the notebook's (a module of
+    that name planted in the working folder, or another install); None when it is the notebook's, or ``name`` is
+    below a module imported already."""
+    if file is None or "." in name:
+        return None
+    try:
+        spec = importlib.util.find_spec(name)  # a top-level name: nothing is imported to find it
+    except (ImportError, ValueError) as exc:
+        return f"not found ({exc})"
+    origin = spec.origin if spec is not None else None
+    if origin is None or os.path.realpath(origin) != os.path.realpath(file):
+        return f"import would load {origin}, not the notebook's {file}"
+    return None
+
+
+def _preload(name: str, modules: list[str], file: str | None, sys_path: list[str], threads_before: int) -> dict:
+    """Import library ``name`` from ``file`` (the notebook's) and those of its ``modules`` that import here (the
+    rest are the ranks' to import); a library ``import`` would find elsewhere now is left to the ranks."""
     sys.path[:] = sys_path  # the notebook's: where it imports from (a rank takes the one of its start)
+    elsewhere = _found_elsewhere(name, file)
+    if elsewhere is not None:
+        return {"module": name, "error": elsewhere}
     with environment_reads() as read:
         try:
             library = importlib.import_module(name)
@@ -270,7 +293,8 @@ def main() -> None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(statuses))  # (also wakes the loop, through the pipe)
     threads_before = threads_at_a_fork()
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid(), "environment_read": sorted(read)})
-    to_preload: collections.deque[tuple[str, list[str]]] = collections.deque()  # (library, its modules)
+    # (library, its modules, the file the notebook imported it from)
+    to_preload: collections.deque[tuple[str, list[str], str | None]] = collections.deque()
     preload_path = list(sys.path)
     held = False  # a job's ranks are being forked: no import in between
     tainted = None  # what a preload did that makes forks unsafe

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import faulthandler
+import importlib.abc
+import importlib.util
 import json
 import os
 import random
@@ -422,11 +424,31 @@ def forked_main(boot: dict, lifeline: int) -> None:
     serve(boot)
 
 
+class NotebookLibraries(importlib.abc.MetaPathFinder):
+    """Finds each of the notebook's libraries that a module of the same name in the working folder would shadow
+    (``engine.template.shadowed_libraries``) at the file the notebook imported it from, never the folder's."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+
+    def find_spec(self, name, path=None, target=None):
+        file = self.files.get(name)
+        if file is None:
+            return None
+        package = os.path.basename(file).startswith("__init__.")
+        return importlib.util.spec_from_file_location(
+            name, file, submodule_search_locations=[os.path.dirname(file)] if package else None)
+
+
 def serve(boot: dict) -> None:
     """Connect to the notebook, join the process group, run tasks until told to exit; never returns."""
     debugging.install(None, None)  # input() in a cell says why it cannot work, not "I/O operation on closed file"
     streams.keep_in_order()
+    import torch.distributed  # noqa: F401  the rank's own imports, from where the notebook's came: never from the
+    #                           working folder, which the notebook's sys.path (applied next) may hold
     sys.path[:] = boot["sys_path"]
+    if boot.get("libraries"):
+        sys.meta_path.insert(0, NotebookLibraries(boot["libraries"]))
     global _job_dir
     _job_dir = boot.get("job_dir")
     if _job_dir:  # job.stacks(): every thread's Python stack on SIGUSR1, even while blocked in C code

@@ -19,7 +19,8 @@ FORKED = "forked"  # {"pid"} or {"error"}
 HOLD = "hold"  # a job's ranks are coming: import nothing more until GO_ON
 GO_ON = "go_on"
 PRELOAD = "preload"  # import these libraries, one at a time between requests: {"modules": [[library, [its
-#                      modules]], ...], "sys_path"}
+#                      modules], the file the notebook imported it from (or None below a module imported)], ...],
+#                      "sys_path"}
 PRELOADED = "preloaded"  # one library done: {"module", "file", "skipped": [modules]}, or {"module", "error"} (not
 #                          imported, or imported and the template tainted: {"tainted": True}; it forks no more);
 #                          with {"environment_read": [variables looked up as it imported]} either way

@@ -89,6 +89,26 @@ def test_a_job_whose_own_variables_the_template_read_starts_fresh_ranks():
     assert current.fork({}, dict(current.env, MKL_DDPNB_TEST="1"), os.getcwd(), None) is None
 
 
+def test_the_template_counts_look_ups_by_name_not_reads_of_the_whole_environment(monkeypatch):
+    """What the template records as it imports (``rank/template.py``): ``os.getenv``, ``.get``, ``[]`` and ``in``
+    of a name, found or not; never a copy of the whole environment (``subprocess``, ``dict(os.environ)``), which
+    would make every variable set when the template started look read."""
+    from ddp_notebook.rank.template import environment_reads
+
+    monkeypatch.setenv("DDPNB_TEST_COPIED", "1")
+    with environment_reads() as read:
+        dict(os.environ)
+        os.environ.copy()
+        list(os.environ.items())
+        os.getenv("DDPNB_TEST_GETENV")
+        os.environ.get("DDPNB_TEST_GET")
+        "DDPNB_TEST_IN" in os.environ
+        os.environ.copy()
+        os.environ["DDPNB_TEST_COPIED"]  # by name, after a copy
+    assert read == {"DDPNB_TEST_GETENV", "DDPNB_TEST_GET", "DDPNB_TEST_IN", "DDPNB_TEST_COPIED"}
+    assert type(os.environ) is os._Environ  # a rank forked later has the plain mapping
+
+
 _GETENV_LOGGER = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>

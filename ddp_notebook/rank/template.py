@@ -196,17 +196,30 @@ def taint(threads_before: int) -> str | None:
 
 
 class _RecordingEnviron(os._Environ):
-    """``os.environ`` while the template imports: notes every variable Python code looks up (found or not), so
-    that the notebook knows which of its later changes a forked rank would not see.  Looking through the whole
-    environment (iterating it, as tqdm does for its ``TQDM_`` defaults) is not a look-up of a name."""
+    """``os.environ`` while the template imports: notes every variable Python code looks up by name (found or not),
+    so that the notebook knows which of its later changes a forked rank would not see.  Looking through the whole
+    environment is not a look-up of a name: iterating it (tqdm collects its ``TQDM_`` defaults so), and the reads of
+    each variable in turn that follow (``os.environ.copy()``, ``dict(os.environ)``, ``.items()``)."""
 
     looked_up: set[str] = set()
+    listed: collections.deque = collections.deque()  # the names just iterated, which reads in that order follow
+
+    def __iter__(self):
+        names = list(super().__iter__())
+        _RecordingEnviron.listed = collections.deque(names)
+        return iter(names)
 
     def __getitem__(self, key):
-        _RecordingEnviron.looked_up.add(key)
+        listed = _RecordingEnviron.listed
+        if listed and listed[0] == key:
+            listed.popleft()
+        else:
+            listed.clear()
+            _RecordingEnviron.looked_up.add(key)
         return super().__getitem__(key)
 
     def __contains__(self, key):
+        _RecordingEnviron.listed.clear()
         _RecordingEnviron.looked_up.add(key)
         return super().__contains__(key)
 
@@ -216,6 +229,7 @@ def environment_reads():
     """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too) is added to the yielded set."""
     names: set[str] = set()
     _RecordingEnviron.looked_up = names
+    _RecordingEnviron.listed = collections.deque()
     os.environ.__class__ = _RecordingEnviron
     try:
         yield names

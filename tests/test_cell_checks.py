@@ -184,3 +184,17 @@ def test_return_names_the_ranks_that_assigned_help_of_the_line_form_and_builtin_
                                    "report(step=1, loss=float(rank))")
         assert reply["status"] == "ok", told
         assert "{'step': 1, 'loss': 0.5}" in told, told
+
+        # on a warm pool, a name an earlier cell left on the ranks can be returned; one nothing bound cannot
+        run_cell(kc, "%ddp_start --cpus 2")
+        try:
+            assert run_cell(kc, "%%ddp\nkept = rank + 40")[0]["status"] == "ok"
+            reply, told = run_cell(kc, "%%ddp --return kept\npass")
+            assert reply["status"] == "ok", told
+            assert run_cell(kc, "print(kept)")[1] == "40\n"
+            reply, told = run_cell(kc, "%%ddp --return never_bound\npass")
+            assert "UsageError: --return never_bound: the cell never assigns it (no assignment, import, def, class, " \
+                   "for or with target, := or global of it anywhere in it), nor do the warm pool's ranks hold it, " \
+                   "so no rank could return it. No rank was started." in told, told
+        finally:
+            run_cell(kc, "%ddp_stop")

@@ -174,7 +174,7 @@ def _refuse_unassigned_returns(cell: str, returns: list[str], names, warm) -> No
              if name not in bound and name not in names and name not in payload.RANK_NAMES and name not in held]
     if never:
         them = "it" if len(never) == 1 else "them"
-        pool = " nor do the warm pool's ranks hold it" if warm is not None else ""
+        pool = f", nor do the warm pool's ranks hold {them}" if warm is not None else ""
         raise LaunchError(f"--return {', '.join(never)}: the cell never assigns {them} (no assignment, import, "
                           f"def, class, for or with target, := or global of {them} anywhere in it){pool}, so no "
                           f"rank could return {them}. No rank was started.")
@@ -618,10 +618,10 @@ def _take_returns(shell, job, results: list) -> None:
     shell.user_ns.update(result.values)
     if result.missing:
         copied = f"; {', '.join(result.values)} copied back" if result.values else ""
-        raise UsageError(f"--return: {unassigned(job, results)}{copied}")
+        raise UsageError(f"--return: {_unassigned(job, results)}{copied}")
 
 
-def unassigned(job, results: list) -> str:
+def _unassigned(job, results: list) -> str:
     """Why rank 0's result lacks names ``--return`` asked for: the names no rank assigned, and those only other
     ranks did (``--return`` copies rank 0's values), naming those ranks."""
     missing = results[0].missing
@@ -655,7 +655,7 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
         if job.results is not None and returns:
             result = job.results[0]
             shell.user_ns.update(result.values)
-            missing = f"; {unassigned(job, job.results)}" if result.missing else ""
+            missing = f"; {_unassigned(job, job.results)}" if result.missing else ""
             how = job.stopped_text or "done"
             relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
                                  f"copied into the notebook{missing}\n")

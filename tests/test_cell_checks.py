@@ -6,7 +6,7 @@ import re
 import pytest
 
 from ddp_notebook.notebook.magic import DDPMagics, parse_flags, undefined_names
-from nbrun import error, run_cells, text
+from nbrun import error, run_cell, run_cells, text
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,3 +138,63 @@ def test_background_launches_are_listed_and_a_stopped_job_says_so(no_leftovers):
     assert re.search(r"caught JobStopped: job #\d+ was stopped by job.stop\(\) before it ended", text(c[3]))
     assert "status stopped JobStopped True" in text(c[3])
     assert re.fullmatch(r"job #\d+: stopped, 2 ranks, \d+ s\n", text(c[4]))
+
+
+@pytest.mark.slow
+@pytest.mark.kernel
+def test_return_names_the_ranks_that_assigned_help_of_the_line_form_and_builtin_callbacks(no_leftovers):
+    from nbrun import kernel
+
+    with kernel() as (km, kc):
+        # %ddp? shows the same help as %%ddp? (IPython pages it: the reply's payload)
+        helps = []
+        for asked in "%ddp?", "%%ddp?":
+            reply = kc.execute_interactive(asked, timeout=60, output_hook=lambda msg: None)["content"]
+            assert reply["status"] == "ok", reply
+            helps.append(reply["payload"][0]["data"]["text/plain"])
+        assert "Run this cell on every rank of a DDP job" in helps[0] and "--return <a,b>" in helps[0]
+        assert "Object '%ddp' not found" not in helps[0]
+        assert helps[0].split("File:")[0] == helps[1].split("File:")[0]
+        reply, told = run_cell(kc, "%ddp --cpus 2")
+        assert reply["status"] == "error" and "UsageError: %%ddp runs the cell below its line: write %%ddp --cpus 2 " \
+                                              "as the cell's first line, with two %" in told, told
+
+        # a --return name the cell never binds: refused before any rank starts, naming it
+        reply, told = run_cell(kc, "%%ddp --cpus 2 --return x,nothere\nimport os\nx = os.getpid()\n"
+                                   "for i, (a, b) in enumerate([(1, 2)]):\n    pass\nprint('PRINTED')")
+        assert reply["status"] == "error" and "[rank " not in told and "PRINTED" not in told
+        assert "UsageError: --return nothere: the cell never assigns it" in told, told
+        reply, told = run_cell(kc, "import ddp_notebook\nprint(ddp_notebook.last_job())")
+        assert told == "None\n"
+        # ... names a cell binds in any way are not refused: a rank's own, import, for and with targets, walrus
+        reply, told = run_cell(kc, "%%ddp --cpus 2 --return rank,os,i,b,f,w,n\nimport os, contextlib\nfor i, (a, b) in "
+                                   "[(1, (2, 3))]:\n    pass\nwith contextlib.nullcontext(7) as f:\n    pass\n"
+                                   "if (w := 5):\n    n = None")
+        assert reply["status"] == "ok", told
+        assert run_cell(kc, "print(rank, os.__name__, i, b, f, w, n)")[1] == "0 os 1 3 7 5 None\n"
+
+        # a name only rank 1 assigned: which rank's values --return copies, and which ranks assigned it
+        reply, told = run_cell(kc, "%%ddp --cpus 2 --return x,y\nx = rank\nif rank == 1:\n    y = 'one'")
+        assert "UsageError: --return: y was assigned on rank 1 but not on rank 0, whose values --return copies " \
+               "(assign it on rank 0 too, or send it there: torch.distributed.broadcast_object_list); x copied " \
+               "back" in told, told
+
+        # --callback takes a builtin: print gets each reduced record in the notebook
+        reply, told = run_cell(kc, "%%ddp --cpus 2 --callback print\nfrom ddp_notebook import report\n"
+                                   "report(step=1, loss=float(rank))")
+        assert reply["status"] == "ok", told
+        assert "{'step': 1, 'loss': 0.5}" in told, told
+
+        # on a warm pool, a name an earlier cell left on the ranks can be returned; one nothing bound cannot
+        run_cell(kc, "%ddp_start --cpus 2")
+        try:
+            assert run_cell(kc, "%%ddp\nkept = rank + 40")[0]["status"] == "ok"
+            reply, told = run_cell(kc, "%%ddp --return kept\npass")
+            assert reply["status"] == "ok", told
+            assert run_cell(kc, "print(kept)")[1] == "40\n"
+            reply, told = run_cell(kc, "%%ddp --return never_bound\npass")
+            assert "UsageError: --return never_bound: the cell never assigns it (no assignment, import, def, class, " \
+                   "for or with target, := or global of it anywhere in it), nor do the warm pool's ranks hold it, " \
+                   "so no rank could return it. No rank was started." in told, told
+        finally:
+            run_cell(kc, "%ddp_stop")

@@ -268,6 +268,10 @@ BAD_INPUTS = [
     ("--cpus 2", "next(numbers)", "cannot send 'numbers' (generator) to the ranks"),
     ("--cpus 2", "sock.getsockname()", "cannot send 'sock' (socket) to the ranks"),
     ("--cpus 2", "report(epoch=1)", "the cell reads report (line 2), which nothing defines"),
+    ("--cpus 2 --return x,nothere", "x = 1\nprint(x)", "--return nothere: the cell never assigns it (no assignment, "
+                                                        "import, def, class, for or with target, := or global of it "
+                                                        "anywhere in it), so no rank could return it. No rank was "
+                                                        "started."),
 ]
 
 
@@ -278,7 +282,7 @@ def test_bad_inputs_each_get_one_clear_message_and_start_nothing(no_leftovers):
     setup = "import socket, threading\nlock = threading.Lock()\nnumbers = (i for i in range(3))\nsock = socket.socket()"
     cells = ["%load_ext ddp_notebook", setup] + [f"%%ddp {flags}\n{body}" for flags, body, _ in BAD_INPUTS]
     cells.append("import ddp_notebook\nprint('jobs started:', ddp_notebook.last_job())")
-    cells += ["%%ddp --cpus 2 --return a,never\na = 5", "print(a)",
+    cells += ["%%ddp --cpus 2 --return a,only1\na = 5\nif rank == 1:\n    only1 = 1", "print(a)",
               # a NameError the magic's check cannot see coming
               "%%ddp --cpus 2\nundefined_name = 1\ndel undefined_name\nprint(undefined_name)"]
     nb, _ = run_cells(cells, timeout=180)
@@ -289,7 +293,9 @@ def test_bad_inputs_each_get_one_clear_message_and_start_nothing(no_leftovers):
         assert "UsageError" in shown and "Traceback" not in shown and "[rank" not in shown, shown
     tail = nb.cells[2 + len(BAD_INPUTS):]
     assert text(tail[0]) == "jobs started: None\n"  # nothing was started for any refused cell
-    assert "--return: the cell never assigned never; a copied back" in text(tail[1])
+    assert "UsageError: --return: only1 was assigned on rank 1 but not on rank 0, whose values --return copies " \
+           "(assign it on rank 0 too, or send it there: torch.distributed.broadcast_object_list); a copied back" \
+           in text(tail[1])
     assert text(tail[2]) == "5\n"
     assert re.search(r"rank \d failed: NameError: name 'undefined_name' is not defined", text(tail[3]))
     assert "every rank failed the same way" in text(tail[3])

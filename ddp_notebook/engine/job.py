@@ -350,6 +350,9 @@ class Job(EventSource):
         elif kind == protocol.FAILED:
             self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"],
                                       body["kind"]))
+            # The whole report in the rank's log (the cell shows it clipped where huge: RankError)
+            self.relay.add_to_log(rank, f"[ddp_notebook] rank {rank}'s error:\n"
+                                        f"{body['traceback'] or body['etype'] + ': ' + body['message']}\n")
             if body["kind"] == "debugger":  # q, or the end of input, in a rank's debugger: the job stops
                 self._stopped_by = f"quitting the debugger of rank {rank}"
                 self._stop_requested = True
@@ -365,7 +368,8 @@ class Job(EventSource):
                 self._debugging = None
             if body["text"] and self._thread is None:
                 self.relay.flush()
-                sys.stdout.write(body["text"])
+                self.relay.add_to_log(rank, body["text"])
+                sys.stdout.write(self.relay.clipped(rank, body["text"], self.relay.budget))
                 sys.stdout.flush()
             elif body["text"]:  # a background job's: under its own cell, with the rank's output
                 self.relay.feed(rank, "stdout", body["text"].encode())
@@ -498,7 +502,7 @@ class Job(EventSource):
         elif others and cause.kind != "timeout":
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
         earlier = [f"attempt {a['attempt'] + 1}: {a['cause']}" for a in self.attempts]
-        self._outcome = ("error", RankError(cause, failures, note, earlier))
+        self._outcome = ("error", RankError(cause, failures, note, earlier, self.relay.whole_text_at(cause.rank)))
 
     # -- wait / stop -----------------------------------------------------
     def result(self) -> list[Any]:

@@ -4,7 +4,9 @@ Jupyter's server drops output above 1,000 messages/s or 1 MB/s; a rank that
 prints in a tight loop must not trip that nor freeze the page.  Lines are
 gathered and written at most ``rate`` times a second, within a byte budget;
 when a batch is over budget its oldest lines are elided and the cell says how
-many.  The newest lines are always kept, and the final flush shows the tail.
+many.  The newest lines are always kept, and the final flush shows the tail; a line longer than a flush's
+budget (a rank's share of it) is shown clipped to it, its start and end, with a note of how much was cut and
+where the whole line is (the rank's log: :meth:`OutputRelay.log`, ``log_dir``).
 
 A rank's stdout and stderr lines keep the order they arrived in.  A line a rank
 redraws after ``\r`` (a tqdm bar) is shown at the same pace while it is drawn:
@@ -22,8 +24,11 @@ import threading
 import time
 from typing import Callable, TextIO
 
+from ..wire.errors import clipped
+
 
 LOG_BYTES_PER_RANK = 16 << 20  # job.logs(rank) keeps each rank's newest 16 MB
+MIN_LINE_CHARS = 1_000  # a line is clipped to its rank's share of a flush's budget, but never below this
 
 
 class OutputRelay:
@@ -67,6 +72,21 @@ class OutputRelay:
             if handle is None:
                 handle = self._log_files[rank] = open(os.path.join(self.log_dir, f"rank{rank}.log"), "ab")
             handle.write(data)
+
+    def add_to_log(self, rank: int, text: str) -> None:
+        """Keep ``text`` in rank ``rank``'s log without showing it (what the notebook showed of it clipped)."""
+        self._keep(rank, text.encode("utf-8", "replace"))
+
+    def whole_text_at(self, rank: int) -> str:
+        """Where the whole of what the notebook shows clipped of rank ``rank`` is: its log."""
+        if self.log_dir is not None:
+            return f"rank {rank}'s log, {os.path.join(self.log_dir, f'rank{rank}.log')}"
+        return f"rank {rank}'s log, job.logs({rank}) (ddp_notebook.last_job() is the latest job)"
+
+    def clipped(self, rank: int, text: str, limit: int) -> str:
+        """``text`` of rank ``rank`` as the notebook shows it: at most about ``limit`` characters, with a note of
+        what was cut (``wire.errors.clipped``)."""
+        return clipped(text, max(limit, MIN_LINE_CHARS), self.whole_text_at(rank))
 
     def log(self, rank: int) -> str:
         """Everything rank ``rank`` wrote to stdout and stderr (its newest 16 MB), what the cell elided too."""
@@ -118,7 +138,7 @@ class OutputRelay:
         """(stream, labelled text) of the newest line being redrawn after "\r" and not blank, if any."""
         for (rank, stream), partial in reversed(self._partial.items()):
             if partial.startswith("\r") and partial.strip():
-                return stream, f"{_label(rank)} {partial.strip(chr(13))}"
+                return stream, f"{_label(rank)} {self.clipped(rank, partial.strip(chr(13)), self.budget)}"
         return None
 
     def _leave_open_line(self, writes: list[tuple[str, str]],
@@ -145,6 +165,10 @@ class OutputRelay:
         for i in range(len(lines) - 1, -1, -1):
             _, rank, line = lines[i]
             if used[rank] + len(line) <= share or used[rank] == 0:
+                if len(line) > max(share, MIN_LINE_CHARS):  # one huge line: its start and end
+                    label = _label(rank) + " "
+                    line = label + self.clipped(rank, line[len(label):-1], share) + "\n"
+                    lines[i] = (lines[i][0], rank, line)
                 used[rank] += len(line)
                 keep[i] = True
             else:

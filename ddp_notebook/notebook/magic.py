@@ -12,7 +12,7 @@ import time
 import warnings
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
@@ -162,6 +162,24 @@ def _refuse_undefined(cell: str, user_ns: dict, warm, export_only: bool) -> None
                           f"{'Nothing was exported' if export_only else 'No rank was started'}.")
 
 
+def _refuse_unassigned_returns(cell: str, returns: list[str], names, warm) -> None:
+    """Refuse a ``--return`` name that no rank can hold when the cell ends: the cell binds it nowhere (no
+    assignment, import, def, class, for or with target, :=, global, ... in any scope), does not read it from the
+    notebook, and it is not a rank's own name nor one a warm pool's ranks hold from earlier cells."""
+    bound = scan_names(cell)[0]
+    held = set() if warm is None else warm.rank_names
+    if not returns or bound is None or held is None:  # (None: no reading of the code can tell)
+        return
+    never = [name for name in returns
+             if name not in bound and name not in names and name not in payload.RANK_NAMES and name not in held]
+    if never:
+        them = "it" if len(never) == 1 else "them"
+        pool = f", nor do the warm pool's ranks hold {them}" if warm is not None else ""
+        raise LaunchError(f"--return {', '.join(never)}: the cell never assigns {them} (no assignment, import, "
+                          f"def, class, for or with target, := or global of {them} anywhere in it){pool}, so no "
+                          f"rank could return {them}. No rank was started.")
+
+
 def _parse_returns(text: str | None) -> list[str]:
     if not text:
         return []
@@ -232,9 +250,9 @@ class DDPMagics(Magics):
     @argument("--detach", action="store_true",
               help="with --executor: leave the Slurm job running on its own and return its handle; "
                    "ddp_notebook.follow(handle.folder) shows it from any kernel")
-    @cell_magic
+    @line_cell_magic  # (a line magic too, so that %ddp? shows this help as %%ddp? does)
     @no_var_expand  # (done below, only for a line that has something to expand)
-    def ddp(self, line: str, cell: str):
+    def ddp(self, line: str, cell: str | None = None):
         """Run this cell on every rank of a DDP job.
 
         In the cell, ``rank``, ``local_rank``, ``world_size`` and ``device`` are
@@ -248,6 +266,9 @@ class DDPMagics(Magics):
         """
         if "$" in line or "{" in line:  # IPython's $name and {expression}; its own expansion copies user_ns
             line = self.shell.var_expand(line, 2)  # (2: the cell's frame, below run_cell_magic and this)
+        if cell is None:
+            raise UsageError(f"%%ddp runs the cell below its line: write %%ddp{' ' + line if line.strip() else ''} "
+                             f"as the cell's first line, with two % (%ddp? shows its flags)")
         args = parse_flags(self.ddp, line)
         returns = _parse_returns(args.returns)
         if not cell.strip():
@@ -274,6 +295,7 @@ class DDPMagics(Magics):
                 warnings.warn_explicit(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is "
                                        f"not used", UserWarning, label, _first_use(cell, name) + 1)
             _refuse_undefined(cell, shell.user_ns, warm, export_only)
+            _refuse_unassigned_returns(cell, returns, names, warm)
             output_ranks = {0} if args.output == "0" else None
             spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
@@ -350,7 +372,7 @@ class DDPMagics(Magics):
                 shell.user_ns.update(results[0].values)
             raise CellStopped(job, list(results[0].values) if returns else [], results[0].missing if returns else [])
         if returns:
-            _take_returns(shell, results[0])
+            _take_returns(shell, job, results)
 
     @magic_arguments()
     @argument("--gpus", default=None, metavar="N|I,J,..", help="a GPU count or indices, as for %%ddp")
@@ -477,11 +499,15 @@ class DDPMagics(Magics):
 
 
 def _notebook_value(shell, flag: str, name: str, hint: str = ""):
-    """The notebook's object that a flag names, dotted attributes included (``--callback log.append``)."""
+    """The notebook's object that a flag names (a builtin where the notebook has no such name), dotted attributes
+    included (``--callback log.append``)."""
     head, *attributes = name.split(".")
-    if head not in shell.user_ns:
-        raise UsageError(f"{flag} {name}: no such name in the notebook{hint}")
-    value = shell.user_ns[head]
+    if head in shell.user_ns:
+        value = shell.user_ns[head]
+    elif hasattr(builtins, head):  # (print, as the notebook would find it)
+        value = getattr(builtins, head)
+    else:
+        raise UsageError(f"{flag} {name}: no such name in the notebook or Python's builtins{hint}")
     try:
         for attribute in attributes:
             value = getattr(value, attribute)
@@ -587,11 +613,29 @@ def _interrupted_hard(job) -> KeyboardInterrupt:
     return interrupt
 
 
-def _take_returns(shell, result) -> None:
+def _take_returns(shell, job, results: list) -> None:
+    result = results[0]
     shell.user_ns.update(result.values)
     if result.missing:
         copied = f"; {', '.join(result.values)} copied back" if result.values else ""
-        raise UsageError(f"--return: the cell never assigned {', '.join(result.missing)}{copied}")
+        raise UsageError(f"--return: {_unassigned(job, results)}{copied}")
+
+
+def _unassigned(job, results: list) -> str:
+    """Why rank 0's result lacks names ``--return`` asked for: the names no rank assigned, and those only other
+    ranks did (``--return`` copies rank 0's values), naming those ranks."""
+    missing = results[0].missing
+    assigned_by = {name: [rank for rank, result in zip(job.targets[1:], results[1:])
+                          if result is None or name not in result.missing] for name in missing}
+    nowhere = [name for name in missing if not assigned_by[name]]
+    parts = [f"the cell never assigned {', '.join(nowhere)} on any rank"] if nowhere else []
+    for name in missing:
+        if assigned_by[name]:
+            ranks = ", ".join(map(str, assigned_by[name]))
+            parts.append(f"{name} was assigned on rank{'s' if len(assigned_by[name]) > 1 else ''} {ranks} but "
+                         f"not on rank 0, whose values --return copies (assign it on rank 0 too, or send it there: "
+                         f"torch.distributed.broadcast_object_list)")
+    return "; ".join(parts)
 
 
 def background_relay(output_ranks: set[int] | None = None):
@@ -611,7 +655,7 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
         if job.results is not None and returns:
             result = job.results[0]
             shell.user_ns.update(result.values)
-            missing = f"; never assigned: {', '.join(result.missing)}" if result.missing else ""
+            missing = f"; {_unassigned(job, job.results)}" if result.missing else ""
             how = job.stopped_text or "done"
             relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
                                  f"copied into the notebook{missing}\n")
@@ -656,7 +700,7 @@ def _show_rank_error(shell, etype, value, tb, tb_offset=None):
         lines.append(value.note)
     if value.failure.traceback:
         lines.append(f"--- traceback of rank {value.rank} ---")
-        lines.append(value.failure.traceback.rstrip())
+        lines.append(value.shown_traceback())
     # IPython calls the handler but leaves showing the result to it.
     shell._showtraceback(etype, value, lines)
     return None

@@ -355,9 +355,9 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
                                          "" if isinstance(value, payload.CellResult) else "the return value",
                                          ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True),
                                          allocate=store.new_tensor if store is not None else None)
-            value = task.sent_by(ctx.rank, value)
+            sent = task.sent_by(ctx.rank, value)
             stopped = stopping.stopped_at()
-            result = payload.dumps_result(value, whole if value is not None else (), store=store)
+            result = payload.dumps_result(sent, whole if sent is value else (), store=store)
             try:
                 sender.send_now(protocol.RESULT, {"task": task_id, "value": bytes(result),
                                                   **({"stopped": stopped} if stopped else {})})

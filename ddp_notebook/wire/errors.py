@@ -22,6 +22,30 @@ _TIMEOUT_PATTERNS = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 #   WorkNCCL(SeqNum=1, OpType=ALLREDUCE, ..., Timeout(ms)=600000) ran for 600081 milliseconds before timing out.
 _NCCL_WATCHDOG = re.compile(r"(?:\[(?:PG [^\]]*)?Rank \d+\] )?Watchdog caught collective operation timeout:[^\n]*")
 
+# What of a rank's error the notebook shows (Jupyter's server drops iopub data over 1 MB/s, front ends stall on
+# huge outputs and saved notebooks keep them): its message's first and last 2,000 characters, and at most 20,000
+# characters of its traceback.  The whole text stays on the error (``.failure``) and in the rank's log.
+SHOWN_MESSAGE_CHARS = 4_000
+SHOWN_TRACEBACK_CHARS = 20_000
+
+
+def clipped(text: str, limit: int, whole: str) -> str:
+    """``text`` as the notebook shows it: as it is up to ``limit`` characters, else its first and last
+    ``limit // 2`` with a note between them of how many characters were cut and where the whole text is
+    (``whole``: "rank 1's log, ...")."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return (f"{text[:half]} ...[ddp_notebook: {len(text) - 2 * half:,} characters cut here; the whole text is in "
+            f"{whole}]... {text[len(text) - half:]}")
+
+
+def clipped_lines(text: str, line_limit: int, limit: int, whole: str) -> str:
+    """:func:`clipped` for a text of many lines (a traceback): each line over ``line_limit``, then the whole."""
+    if len(text) <= line_limit:
+        return text
+    return clipped("\n".join(clipped(line, line_limit, whole) for line in text.split("\n")), limit, whole)
+
 
 class DDPNotebookError(Exception):
     """Base of this package's own errors."""
@@ -81,21 +105,34 @@ class Failure:
 
 
 class RankError(DDPNotebookError, RuntimeError):
-    """A rank failed; ``rank`` is the one that failed first, ``failures`` all reports."""
+    """A rank failed; ``rank`` is the one that failed first, ``failures`` all reports.
 
-    def __init__(self, failure: Failure, failures: list[Failure], note: str = "", earlier: list[str] | None = None):
+    Its text (``str()``, :meth:`summary`, :meth:`shown_traceback`) shows a huge message or traceback clipped
+    (``SHOWN_MESSAGE_CHARS``, ``SHOWN_TRACEBACK_CHARS``) with a note saying where the whole text is: ``whole``
+    ("rank 1's log, ...") when given, and always ``.failure.message`` and ``.failure.traceback``, kept whole.
+    """
+
+    def __init__(self, failure: Failure, failures: list[Failure], note: str = "", earlier: list[str] | None = None,
+                 whole: str | None = None):
         self.rank = failure.rank
         self.failure = failure
         self.failures = failures
         self.note = note
         self.earlier = list(earlier or [])  # why each earlier attempt failed, when restarts ran out
+        self.whole = whole or "this error's .failure.message and .failure.traceback"
         super().__init__(self.render())
 
     def summary(self) -> str:
+        headline = clipped(self.failure.headline(), SHOWN_MESSAGE_CHARS, self.whole)
         if self.failure.kind == "timeout":
             stuck = sorted(f.rank for f in self.failures if f.kind == "timeout")
-            return f"a collective timed out on rank(s) {', '.join(map(str, stuck))}: {self.failure.headline()}"
-        return f"rank {self.rank} failed: {self.failure.headline()}"
+            return f"a collective timed out on rank(s) {', '.join(map(str, stuck))}: {headline}"
+        return f"rank {self.rank} failed: {headline}"
+
+    def shown_traceback(self) -> str:
+        """The failing rank's traceback as the notebook shows it (clipped where huge)."""
+        return clipped_lines(self.failure.traceback.rstrip(), SHOWN_MESSAGE_CHARS, SHOWN_TRACEBACK_CHARS,
+                             self.whole)
 
     def render(self) -> str:
         parts = [self.summary()]
@@ -106,7 +143,7 @@ class RankError(DDPNotebookError, RuntimeError):
         if self.note:
             parts.append(self.note)
         if self.failure.traceback:
-            parts.append(f"\n--- traceback of rank {self.rank} ---\n{self.failure.traceback.rstrip()}")
+            parts.append(f"\n--- traceback of rank {self.rank} ---\n{self.shown_traceback()}")
         return "\n".join(parts)
 
 

@@ -104,13 +104,17 @@ class CellTask:
 
     @staticmethod
     def sent_by(rank: int, value: Any) -> Any:
-        """What a rank sends back of its result: rank 0's names; the other ranks', nothing."""
-        return value if rank == 0 else None
+        """What a rank sends back of its result: rank 0's names; the other ranks' only which names they did not
+        assign (None: they assigned every one), so that a name only they assigned can be told."""
+        if rank == 0:
+            return value
+        return CellResult({}, value.missing) if value is not None and value.missing else None
 
 
 @dataclass
 class CellResult:
-    """What rank 0 sends back for ``--return``: the values, and the names the cell never assigned."""
+    """What rank 0 sends back for ``--return``: the values, and the names the cell never assigned (the other
+    ranks send only those names, see :meth:`CellTask.sent_by`)."""
 
     values: dict[str, Any]
     missing: list[str]

@@ -104,6 +104,7 @@ class Status:
         self.outcome: str | None = None  # "done", "failed", "stopped"
         self.ended_at: float | None = None
         self.stopping: str | None = None  # a graceful stop under way
+        self.returned: set[int] = set()  # ranks that sent their result (their process may end before the job)
         self.restart: str | None = None  # the latest restart: "rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 3"
         self.queued: str | None = None  # "Slurm job 1234 (Resources)" while a scheduler holds the job
         self.queued_since: float | None = None
@@ -171,10 +172,15 @@ class Status:
             return " · ".join(parts)
         if self.queued is not None:
             return f"queued: {self.queued}, {_clock(now - self.queued_since)}"
-        if len(self.ready) < self.world_size and not self.exited:
+        stopped = self.stopping is not None and len(self.returned) == self.world_size
+        if stopped:  # every rank stopped at the boundary and returned; their processes may be gone already
+            parts = [f"{self.world_size}/{self.world_size} ranks stopped, ending"]
+        elif len(self.ready) < self.world_size and not self.exited:
             parts = [f"starting: {len(self.ready)}/{self.world_size} ranks ready"]
         else:
-            parts = [f"{self.world_size - len(self.exited)}/{self.world_size} ranks alive"]
+            # A rank that returned and ended is done, not dead: alive counts those still running or done.
+            gone = len(self.exited - self.returned)
+            parts = [f"{self.world_size - gone}/{self.world_size} ranks alive"]
         if where:
             parts.append(where)
         parts.append(f"{_clock(now - self.started_at)} elapsed")
@@ -183,7 +189,7 @@ class Status:
             parts.append(f"ETA {_clock(eta)}")
         if self.restart:
             parts.append(self.restart)
-        if self.stopping:
+        if self.stopping and not stopped:
             parts.append(self.stopping)
         return " · ".join(parts)
 
@@ -195,6 +201,7 @@ class Curves:
         self.points: dict[tuple[str, str], tuple[list, list]] = {}
         self.partial: dict[tuple[str, str], tuple[list, list]] = {}
         self.restarts: list[tuple[str, float]] = []  # (x key, x) where an attempt failed and the job restarted
+        self.reporters: dict[str, list[int]] = {}  # metrics only some ranks report: their ranks (history's)
         self.version = 0
 
     def mark_restart(self, key: str, x: float) -> None:
@@ -228,7 +235,16 @@ class Curves:
             "points": {k: (list(xs), list(ys)) for k, (xs, ys) in self.points.items()},
             "partial": {k: (list(xs), list(ys)) for k, (xs, ys) in self.partial.items()},
             "restarts": list(self.restarts),
+            "reporters": {name: tuple(ranks) for name, ranks in self.reporters.items()},
         }
+
+
+def label(name: str, reporters: dict) -> str:
+    """A metric's name as the dashboard shows it: ``loss (rank 0)`` where only rank 0 reports it."""
+    ranks = reporters.get(name)
+    if not ranks:
+        return name
+    return f"{name} (rank {ranks[0]})" if len(ranks) == 1 else f"{name} (ranks {', '.join(map(str, ranks))})"
 
 
 def _group(name: str) -> str:
@@ -268,9 +284,10 @@ class Plot:
         for key, name in points:
             panels.setdefault((_group(name), key), []).append(name)
         order = sorted(panels, key=lambda p: {"loss": 0, "accuracy": 1}.get(p[0], 2))
-        layout = (tuple((p, tuple(panels[p])) for p in order), title is not None)
+        reporters = snapshot.get("reporters", {})
+        layout = (tuple((p, tuple(panels[p])) for p in order), title is not None, tuple(sorted(reporters.items())))
         if layout != self._layout:
-            self._build(order, panels, title is not None)
+            self._build(order, panels, title is not None, reporters)
             self._layout = layout
         if title is not None:
             self._figure.suptitle(title, fontsize=10)
@@ -292,7 +309,7 @@ class Plot:
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": compress_level})
         return buffer.getvalue()
 
-    def _build(self, order: list, panels: dict, titled: bool) -> None:
+    def _build(self, order: list, panels: dict, titled: bool, reporters: dict) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -310,14 +327,18 @@ class Plot:
         for index, (group, key) in enumerate(order):
             ax = figure.add_subplot(rows, columns, index + 1)
             self._axes.append((ax, key))
-            ax.set_title(group, fontsize=10)
+            names = panels[(group, key)]
+            title = group  # one curve has no legend: its title says whose it is
+            if len(names) == 1 and names[0] in reporters:
+                title = label(names[0], reporters) if names[0] == group else f"{group}: {label(names[0], reporters)}"
+            ax.set_title(title, fontsize=10)
             ax.set_xlabel(key, fontsize=8)
             ax.tick_params(labelsize=8)
             ax.grid(True, alpha=0.3)
             if key == "epoch":
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             for name in panels[(group, key)]:
-                (line,) = ax.plot([], [], label=name, linewidth=1.5, markersize=3)
+                (line,) = ax.plot([], [], label=label(name, reporters), linewidth=1.5, markersize=3)
                 (partial_line,) = ax.plot([], [], linestyle="", marker="o", markersize=6, markerfacecolor="none",
                                           color=line.get_color())
                 self._lines[(key, name)] = (line, partial_line)
@@ -583,6 +604,9 @@ class Watcher:
         self.curves = Curves()
         self.forwarder = Forwarder(getattr(job, "callbacks", ()))
         self.views: list = []
+        self.curves.reporters = self.reducer.history.reporters if isinstance(job.history, History) else {}
+        self._forwarding = threading.RLock()  # updates reach callbacks and views in order, from either thread
+        self._settle_timer: threading.Timer | None = None
         self._view_chosen = False
         self._started_on = threading.get_ident()
         self._warned = False
@@ -606,15 +630,20 @@ class Watcher:
 
     def _on_event(self, kind: str, rank: int, body: dict) -> None:
         if kind == protocol.METRIC:
-            with self.lock:
-                updates = []
-                for report in body["reports"]:
-                    updates += self.reducer.add(rank, report)
-                    if "rank_stats" in report:
-                        self.job.ranks.add(rank, report["rank_stats"])
-                for update in updates:
-                    self.curves.add(update)
-            self.forwarder.send(updates)
+            with self._forwarding:
+                with self.lock:
+                    updates = []
+                    for report in body["reports"]:
+                        updates += self.reducer.add(rank, report)
+                        if "rank_stats" in report:
+                            self.job.ranks.add(rank, report["rank_stats"])
+                    for update in updates:
+                        self.curves.add(update)
+                    notices, self.reducer.notices = self.reducer.notices, []
+                    self._schedule_settle()
+                self.forwarder.send(updates)
+            for notice in notices:  # said once, in the cell
+                print(f"ddp_notebook: {notice}", file=sys.stderr)
             self._first_report()
             self._tell_views("updated", updates)
         elif kind == protocol.PROGRESS:
@@ -634,6 +663,9 @@ class Watcher:
                 self._first_report()  # the dashboard shows while the job waits in the queue
         elif kind == protocol.ENDED:
             self._ended(body)
+        elif kind == protocol.RESULT:
+            with self.lock:
+                self.status.returned.add(rank)
         elif kind == protocol.STOPPING:
             with self.lock:
                 self.status.stopping = f"stopping at the next batch (asked by {body['by']})"
@@ -645,6 +677,30 @@ class Watcher:
                     if self.status.restart else f"resuming from epoch {body['epoch']}"
             print(f"ddp_notebook: attempt {getattr(self.job, 'attempt', 0) + 1} resumes from epoch "
                   f"{body['epoch']}", file=sys.stderr)
+
+    def _schedule_settle(self) -> None:
+        """(Under the lock.)  A metric waits for ranks that have not reported it yet: settle it when its wait
+        is over even if no report comes then (a rank-0-only report once an epoch)."""
+        delay = self.reducer.settles_in()
+        if delay is None or self._settle_timer is not None or self.status.outcome is not None:
+            return
+        self._settle_timer = threading.Timer(delay + 0.01, self._settle_due)
+        self._settle_timer.daemon = True
+        self._settle_timer.start()
+
+    def _settle_due(self) -> None:
+        with self._forwarding:
+            with self.lock:
+                self._settle_timer = None
+                if self.status.outcome is not None:
+                    return
+                updates = self.reducer.settle()
+                for update in updates:
+                    self.curves.add(update)
+                self._schedule_settle()
+            self.forwarder.send(updates)
+        if updates:
+            self._tell_views("updated", updates)
 
     def _restarted(self, body: dict) -> None:
         """An attempt failed and the job runs again on fresh ranks: mark it on the curves and the status line."""
@@ -675,22 +731,26 @@ class Watcher:
 
     def _ended(self, body: dict) -> None:
         stopped = self.job.status == "stopped"
-        with self.lock:
-            updates = self.reducer.finish()
-            for update in updates:
-                self.curves.add(update)
-            self.status.ended_at = self.job.ended_at or time.time()
-            stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
-            if stopped_text:
-                self.status.outcome = stopped_text
-            elif body.get("ok"):
-                self.status.outcome = "done"
-            elif stopped:
-                self.status.outcome = "stopped"
-            else:
-                self.status.outcome = "failed"
-        self.forwarder.send(updates)
-        self.forwarder.close()
+        with self._forwarding:
+            with self.lock:
+                if self._settle_timer is not None:
+                    self._settle_timer.cancel()
+                    self._settle_timer = None
+                updates = self.reducer.finish()
+                for update in updates:
+                    self.curves.add(update)
+                self.status.ended_at = self.job.ended_at or time.time()
+                stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
+                if stopped_text:
+                    self.status.outcome = stopped_text
+                elif body.get("ok"):
+                    self.status.outcome = "done"
+                elif stopped:
+                    self.status.outcome = "stopped"
+                else:
+                    self.status.outcome = "failed"
+            self.forwarder.send(updates)
+            self.forwarder.close()
         self._tell_views("finish", updates)
         # Their last drawing is in the page; each view's figure and outputs would otherwise live as long as the
         # job does (a background job is the cell's value, Out[n]). show() draws again from the history.

@@ -101,6 +101,7 @@ class Reducer:
         self._next_deadline = float("inf")
         self._settled: set[tuple[str, str]] = set()  # its reporters are its senders (else: every rank)
         self._told: set[str] = set()  # names a notice was given for
+        self._key_ranks_of: dict[str, frozenset] = {}  # _key_ranks, until reporters change
 
     def add(self, rank: int, body: dict) -> list[dict]:
         """Take one rank's report; the updates it completed."""
@@ -155,6 +156,7 @@ class Reducer:
                              f"alone had reported for {SETTLE_S:g} s or more: the {key}s before are reduced over "
                              f"{_ranks_text(senders)} alone")
         senders.add(rank)
+        self._key_ranks_of.clear()
         if len(senders) == self.world_size and ident in self._deadlines:
             del self._deadlines[ident]  # every rank reports it: nothing to wait for
             self._settled.add(ident)
@@ -192,6 +194,7 @@ class Reducer:
         for ident in due:
             del self._deadlines[ident]
             self._settled.add(ident)
+            self._key_ranks_of.clear()
             self._label(ident[1])
             if ident[0] not in keys:
                 keys.append(ident[0])
@@ -205,19 +208,26 @@ class Reducer:
 
     def _key_ranks(self, key: str) -> frozenset | set:
         """The ranks expected to report x values of ``key``: every rank until all its metrics' reporters settle."""
-        names = self._names.get(key)
-        if not names or any((key, name) not in self._settled for name in names):
-            return self._all
-        return set().union(*(self._senders[(key, name)] for name in names))
+        ranks = self._key_ranks_of.get(key)
+        if ranks is None:
+            names = self._names.get(key)
+            if not names or any((key, name) not in self._settled for name in names):
+                ranks = self._all
+            else:
+                ranks = frozenset().union(*(self._senders[(key, name)] for name in names))
+            self._key_ranks_of[key] = ranks
+        return ranks
 
     def _close_passed(self, key: str) -> list[dict]:
         """Release what is still held back for x values every expected rank has moved past."""
         pending = self._pending.get(key)
         latest = self._latest.get(key, {})
         ranks = self._key_ranks(key)
-        if not pending or not ranks <= latest.keys():
+        if not pending or len(latest) < len(ranks) or not ranks <= latest.keys():
             return []
         floor = min(latest[rank] for rank in ranks)
+        if next(iter(pending)) >= floor:
+            return []
         updates = []
         while pending:
             oldest = next(iter(pending))
@@ -282,6 +292,13 @@ class Reducer:
         return sum(value * weight for value, weight in pairs) / total_weight
 
     def _release(self, key: str, x: float, point: _Point, final: bool) -> list[dict]:
+        if not final and point.values:  # the common case first: is anything new complete?
+            for name, by_rank in point.values.items():
+                if point.released.get(name) != len(by_rank) and len(by_rank) >= (
+                        len(self._senders[(key, name)]) if (key, name) in self._settled else self.world_size):
+                    break
+            else:
+                return []
         reduced, partial = {}, []
         own: dict[str, dict[int, float]] = {}
         for name, by_rank in point.values.items():

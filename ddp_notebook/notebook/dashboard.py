@@ -28,9 +28,14 @@ from ..engine.history import History, Reducer
 from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.25
-MIN_REDRAW_S = 0.5  # a few figure redraws a second at most
-DRAW_SHARE = 0.05  # and no more than this share of the kernel's time spent drawing,
-MAX_REDRAW_S = 1.0  # unless that would leave the figure stale for longer than this
+MIN_REDRAW_S = 0.5  # two figure redraws a second at most
+# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (50-200 ms of
+# matplotlib, mostly ticks and labels) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
+# DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
+# changes its curves at every tick (report() every step) redraws every few seconds, not every half second.
+DRAW_SHARE = 0.01
+DRAW_BURST_S = 1.0
+MAX_STALE_S = 10.0  # but a figure that changed is drawn at least this often, whatever a redraw costs
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
 MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
 
@@ -275,6 +280,11 @@ class Plot:
         self._axes: list[tuple[Any, str]] = []  # (axes, x key)
         self._markers: list[Any] = []  # the restart lines drawn
 
+    @property
+    def built(self) -> bool:
+        """Whether the figure exists (its first drawing imports matplotlib and builds it)."""
+        return self._figure is not None
+
     def render(self, snapshot: dict, title: str | None = None, compress_level: int = 1) -> bytes | None:
         """The figure as PNG bytes, or None when there is nothing to draw."""
         points = snapshot["points"]
@@ -430,6 +440,9 @@ class DisplayView:
         self.updates_sent = 0
         self._drawn_version = -1
         self._next_draw = 0.0
+        self._credit = DRAW_BURST_S  # seconds of drawing it may spend now
+        self._credit_at = time.monotonic()
+        self._draw_cost = 0.0  # what the last redraw took
         self._png: str | None = None
         self._broken = False
         self._stop = threading.Event()
@@ -481,7 +494,11 @@ class DisplayView:
             line = watcher.status.line(watcher.reducer, time.time())
             version = watcher.curves.version
             snapshot = None
-            if final or (version != self._drawn_version and time.monotonic() >= self._next_draw):
+            now = time.monotonic()
+            self._credit = min(DRAW_BURST_S, self._credit + (now - self._credit_at) * DRAW_SHARE)
+            self._credit_at = now
+            if final or (version != self._drawn_version and now >= self._next_draw
+                         and (self._credit >= self._draw_cost or now >= self._next_draw + MAX_STALE_S)):
                 snapshot = watcher.curves.snapshot()
         status = self.status_text(line, final)
         if status != self.status_output.data["text/plain"]:
@@ -490,10 +507,12 @@ class DisplayView:
         if snapshot is None:
             return
         started = time.monotonic()
-        first = self._drawn_version < 0  # pays for importing matplotlib: no measure of drawing
+        first = not self.plot.built  # pays for importing matplotlib: no measure of drawing
         png = self.plot.render(snapshot, title=line if final else None, compress_level=6 if final else 1)
         spent = 0.0 if first else time.monotonic() - started
-        self._next_draw = time.monotonic() + min(MAX_REDRAW_S, max(MIN_REDRAW_S, spent / DRAW_SHARE))
+        self._credit = max(-DRAW_BURST_S, self._credit - spent)
+        self._draw_cost = spent
+        self._next_draw = time.monotonic() + MIN_REDRAW_S
         self._drawn_version = version
         if png is not None:
             self.figure_output.update({"image/png": base64.b64encode(png).decode(), "text/plain": line})

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from nbrun import IPYKERNEL_VERSIONS, kernel
+from nbrun import IPYKERNEL_VERSIONS, kernel, run_cell
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
@@ -121,3 +121,34 @@ def test_a_background_dashboard_updates_its_own_cell_while_others_run(no_leftove
                  and m["parent_header"]["msg_id"] == started]
         assert {"text/plain": ""} in final  # the Stop button leaves
         assert any(d["text/plain"].startswith("ddp_notebook · stopped") for d in final)
+
+
+RANK_0_ONLY = """\
+%%ddp --cpus 2
+import time
+from ddp_notebook import report
+for s in range(60):
+    time.sleep(0.15)
+    if rank == 0:
+        report(step=s, steps=60, loss=1.0 / (s + 1))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_reports_of_rank_0_alone_show_live_labelled_and_the_history_keeps_every_step(no_leftovers):
+    with kernel() as (_km, kc):
+        msg_id, messages = run_collecting(kc, RANK_0_ONLY)
+        updates = [m for m in display_messages(messages, msg_id) if m["msg_type"] == "update_display_data"]
+        statuses = [m["content"]["data"]["text/plain"] for m in updates if "image/png" not in m["content"]["data"]]
+        live = [s for s in statuses if "ranks alive · step" in s]
+        # The steps count up while the job runs (the first ones wait the settling time for rank 1; the first
+        # figure waits for matplotlib's import), not only when it ends.
+        counts = sorted({int(s.split("ranks alive · step ")[1].split("/")[0]) for s in live})
+        assert len([c for c in counts if 0 < c < 60]) >= 3, statuses
+        figures = [m["content"]["data"] for m in updates if "image/png" in m["content"]["data"]]
+        assert len([f for f in figures if not f["text/plain"].startswith("done")]) >= 2
+        assert statuses[-1].startswith("ddp_notebook · done · 2 ranks · step 60/60"), statuses[-1]
+        _, told = run_cell(kc, "import ddp_notebook\nh = ddp_notebook.last_job().history\n"
+                               "print([r['step'] for r in h] == list(range(60)), h.reporters,\n"
+                               "      all(r['loss'] == 1.0 / (r['step'] + 1) and 'partial' not in r for r in h))")
+        assert told.strip() == "True {'loss': [0]} True", told

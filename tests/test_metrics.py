@@ -14,6 +14,7 @@ import pytest
 from ddp_notebook.rank import context
 from ddp_notebook.notebook import dashboard
 from ddp_notebook.rank import metrics, timing
+from ddp_notebook.engine import history
 from ddp_notebook.engine.callbacks import Forwarder, TensorBoard, WandB, resolve
 from ddp_notebook.engine.spec import JobSpec
 
@@ -168,8 +169,15 @@ def test_failing_callback_is_dropped_with_one_warning_and_training_goes_on(capsy
 
     job = FakeJob(1, callbacks=[broken])
     dashboard.watch(job)
-    with pytest.warns(UserWarning, match="no network"):
+    with pytest.warns(UserWarning) as warned:
         job.emit("metric", 0, report_body(1, loss=1.0))
+    assert len(warned) == 1
+    # It names the callback (qualified) and its error, and points at the line that raised, not ddp_notebook's.
+    assert str(warned[0].message) == (
+        "ddp_notebook: metrics callback test_metrics.test_failing_callback_is_dropped_with_one_warning_and_training_goes_on."
+        "<locals>.broken raised ValueError: no network; it gets no more records of this job")
+    assert warned[0].filename == __file__
+    assert warned[0].lineno == broken.__code__.co_firstlineno + 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         job.emit("metric", 0, report_body(2, loss=1.0))
@@ -270,3 +278,51 @@ def test_a_restart_is_marked_in_the_status_line_and_on_the_curves_and_replayed_e
     err = capsys.readouterr().err
     assert "ddp_notebook: rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 2\n" in err
     assert "ddp_notebook: attempt 1 resumes from epoch 2" in err  # (a FakeJob has no attempt counter)
+
+
+def test_during_a_graceful_stop_the_status_counts_ranks_that_returned_as_alive():
+    job = FakeJob(2)
+    dashboard.watch(job)
+    watcher = job.listeners[0]
+    for rank in (0, 1):
+        job.emit("ready", rank, {})
+    job.emit("metric", 0, report_body(1, loss=1.0))
+    job.emit("stopping", -1, {"by": "the interrupt", "grace": 30})
+    line = watcher.status.line(watcher.reducer, time.time())
+    assert line.startswith("2/2 ranks alive · ") and line.endswith(" · stopping at the next batch (asked by the "
+                                                                   "interrupt)"), line
+    for rank in (0, 1):  # each stops at the boundary, returns, and its process ends before the job does
+        job.emit("result", rank, {"task": 1, "value": None, "stopped": {"epoch": 1, "batch": 3}})
+        job.emit("exited", rank, {"code": 0})
+        line = watcher.status.line(watcher.reducer, time.time())
+        assert "0/2" not in line and "1/2 ranks alive" not in line, line
+    assert line.startswith("2/2 ranks stopped, ending · epoch 0/3 · "), line
+    job.emit("exited", 1, {"code": -9})  # (again: nothing changes)
+    job.end()
+
+
+def test_rank_0_alone_reporting_is_drawn_live_and_labelled(monkeypatch):
+    monkeypatch.setattr(history, "SETTLE_S", 0.3)
+    got = []
+    job = FakeJob(2, callbacks=[got.append])
+    job.history = None
+    dashboard.watch(job)
+    watcher = job.listeners[0]
+    watcher._view_chosen = True  # no view: the test reads the curves
+    for epoch in (1, 2):
+        job.emit("metric", 0, report_body(epoch, loss=1.0 / epoch))
+    assert got == [] and len(job.history) == 0  # rank 1 may still be starting
+    deadline = time.time() + 10
+    while len(got) < 2 and time.time() < deadline:  # released by the settling timer, no further report needed
+        time.sleep(0.05)
+    assert got == [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.5}]
+    job.emit("metric", 0, report_body(3, loss=1.0 / 3))
+    assert got[-1] == {"epoch": 3, "loss": 1.0 / 3} and job.history[-1]["epoch"] == 3
+    assert job.history.reporters == {"loss": [0]}
+    plot = dashboard.Plot()
+    with watcher.lock:
+        snapshot = watcher.curves.snapshot()
+    plot.render(snapshot)
+    assert [ax.get_title() for ax in plot._figure.axes] == ["loss (rank 0)"]
+    job.end()
+    assert [r["epoch"] for r in job.history] == [1, 2, 3] and not any("partial" in r for r in job.history)

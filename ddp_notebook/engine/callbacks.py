@@ -7,8 +7,10 @@ logins or network access.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
+import traceback
 import types
 import warnings
 from typing import Any, Callable, Iterable
@@ -103,8 +105,7 @@ class Forwarder:
                     callback(dict(update))
                 except Exception as exc:  # noqa: BLE001 - a logger must not stop the job
                     self.callbacks.remove(callback)
-                    warnings.warn(f"ddp_notebook: metrics callback {_name(callback)} raised {exc!r}; "
-                                  f"it gets no more records of this job", stacklevel=2)
+                    _warn_failed(callback, exc)
                     break
 
     def close(self) -> None:
@@ -119,5 +120,29 @@ class Forwarder:
         self.callbacks = []
 
 
+def _warn_failed(callback: Any, exc: BaseException) -> None:
+    """Warn once, naming the callback and its error, at the line that raised (not ddp_notebook's)."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first is send()'s call
+    where = frames[-1] if frames else None
+    message = (f"ddp_notebook: metrics callback {_name(callback)} raised {type(exc).__name__}: {exc}; "
+               f"it gets no more records of this job")
+    if where is None:  # raised in C (a builtin): no line of Python to point at
+        warnings.warn(message, UserWarning, stacklevel=4)
+    else:
+        warnings.warn_explicit(message, UserWarning, where.filename, where.lineno or 0)
+
+
 def _name(callback: Any) -> str:
-    return getattr(callback, "__qualname__", None) or type(callback).__name__
+    """The callback's qualified name: ``train.log_metrics``, ``MyLogger.__call__``, ``list.append``."""
+    target = callback.func if isinstance(callback, functools.partial) else callback
+    qualname = getattr(target, "__qualname__", None)
+    if qualname is None:  # a callable instance
+        target = type(target)
+        qualname = target.__qualname__
+    module = getattr(target, "__module__", None)
+    if module is None:
+        owner = getattr(target, "__self__", None)  # a builtin's bound method (records.append)
+        module = type(owner).__module__ if owner is not None else None
+    name = qualname if module in (None, "__main__", "builtins") else f"{module}.{qualname}"
+    return f"functools.partial({name})" if target is not callback and isinstance(callback, functools.partial) \
+        else name

@@ -28,9 +28,14 @@ from ..engine.history import History, Reducer
 from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.25
-MIN_REDRAW_S = 0.5  # a few figure redraws a second at most
-DRAW_SHARE = 0.05  # and no more than this share of the kernel's time spent drawing,
-MAX_REDRAW_S = 1.0  # unless that would leave the figure stale for longer than this
+MIN_REDRAW_S = 0.5  # two figure redraws a second at most
+# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (50-200 ms of
+# matplotlib, mostly ticks and labels) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
+# DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
+# changes its curves at every tick (report() every step) redraws every few seconds, not every half second.
+DRAW_SHARE = 0.01
+DRAW_BURST_S = 1.0
+MAX_STALE_S = 10.0  # but a figure that changed is drawn at least this often, whatever a redraw costs
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
 MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
 
@@ -104,6 +109,7 @@ class Status:
         self.outcome: str | None = None  # "done", "failed", "stopped"
         self.ended_at: float | None = None
         self.stopping: str | None = None  # a graceful stop under way
+        self.returned: set[int] = set()  # ranks that sent their result (their process may end before the job)
         self.restart: str | None = None  # the latest restart: "rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 3"
         self.queued: str | None = None  # "Slurm job 1234 (Resources)" while a scheduler holds the job
         self.queued_since: float | None = None
@@ -171,10 +177,15 @@ class Status:
             return " · ".join(parts)
         if self.queued is not None:
             return f"queued: {self.queued}, {_clock(now - self.queued_since)}"
-        if len(self.ready) < self.world_size and not self.exited:
+        stopped = self.stopping is not None and len(self.returned) == self.world_size
+        if stopped:  # every rank stopped at the boundary and returned; their processes may be gone already
+            parts = [f"{self.world_size}/{self.world_size} ranks stopped, ending"]
+        elif len(self.ready) < self.world_size and not self.exited:
             parts = [f"starting: {len(self.ready)}/{self.world_size} ranks ready"]
         else:
-            parts = [f"{self.world_size - len(self.exited)}/{self.world_size} ranks alive"]
+            # A rank that returned and ended is done, not dead: alive counts those still running or done.
+            gone = len(self.exited - self.returned)
+            parts = [f"{self.world_size - gone}/{self.world_size} ranks alive"]
         if where:
             parts.append(where)
         parts.append(f"{_clock(now - self.started_at)} elapsed")
@@ -183,7 +194,7 @@ class Status:
             parts.append(f"ETA {_clock(eta)}")
         if self.restart:
             parts.append(self.restart)
-        if self.stopping:
+        if self.stopping and not stopped:
             parts.append(self.stopping)
         return " · ".join(parts)
 
@@ -195,6 +206,7 @@ class Curves:
         self.points: dict[tuple[str, str], tuple[list, list]] = {}
         self.partial: dict[tuple[str, str], tuple[list, list]] = {}
         self.restarts: list[tuple[str, float]] = []  # (x key, x) where an attempt failed and the job restarted
+        self.reporters: dict[str, list[int]] = {}  # metrics only some ranks report: their ranks (history's)
         self.version = 0
 
     def mark_restart(self, key: str, x: float) -> None:
@@ -228,7 +240,16 @@ class Curves:
             "points": {k: (list(xs), list(ys)) for k, (xs, ys) in self.points.items()},
             "partial": {k: (list(xs), list(ys)) for k, (xs, ys) in self.partial.items()},
             "restarts": list(self.restarts),
+            "reporters": {name: tuple(ranks) for name, ranks in self.reporters.items()},
         }
+
+
+def label(name: str, reporters: dict) -> str:
+    """A metric's name as the dashboard shows it: ``loss (rank 0)`` where only rank 0 reports it."""
+    ranks = reporters.get(name)
+    if not ranks:
+        return name
+    return f"{name} (rank {ranks[0]})" if len(ranks) == 1 else f"{name} (ranks {', '.join(map(str, ranks))})"
 
 
 def _group(name: str) -> str:
@@ -259,6 +280,11 @@ class Plot:
         self._axes: list[tuple[Any, str]] = []  # (axes, x key)
         self._markers: list[Any] = []  # the restart lines drawn
 
+    @property
+    def built(self) -> bool:
+        """Whether the figure exists (its first drawing imports matplotlib and builds it)."""
+        return self._figure is not None
+
     def render(self, snapshot: dict, title: str | None = None, compress_level: int = 1) -> bytes | None:
         """The figure as PNG bytes, or None when there is nothing to draw."""
         points = snapshot["points"]
@@ -268,9 +294,10 @@ class Plot:
         for key, name in points:
             panels.setdefault((_group(name), key), []).append(name)
         order = sorted(panels, key=lambda p: {"loss": 0, "accuracy": 1}.get(p[0], 2))
-        layout = (tuple((p, tuple(panels[p])) for p in order), title is not None)
+        reporters = snapshot.get("reporters", {})
+        layout = (tuple((p, tuple(panels[p])) for p in order), title is not None, tuple(sorted(reporters.items())))
         if layout != self._layout:
-            self._build(order, panels, title is not None)
+            self._build(order, panels, title is not None, reporters)
             self._layout = layout
         if title is not None:
             self._figure.suptitle(title, fontsize=10)
@@ -292,7 +319,7 @@ class Plot:
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": compress_level})
         return buffer.getvalue()
 
-    def _build(self, order: list, panels: dict, titled: bool) -> None:
+    def _build(self, order: list, panels: dict, titled: bool, reporters: dict) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -310,14 +337,18 @@ class Plot:
         for index, (group, key) in enumerate(order):
             ax = figure.add_subplot(rows, columns, index + 1)
             self._axes.append((ax, key))
-            ax.set_title(group, fontsize=10)
+            names = panels[(group, key)]
+            title = group  # one curve has no legend: its title says whose it is
+            if len(names) == 1 and names[0] in reporters:
+                title = label(names[0], reporters) if names[0] == group else f"{group}: {label(names[0], reporters)}"
+            ax.set_title(title, fontsize=10)
             ax.set_xlabel(key, fontsize=8)
             ax.tick_params(labelsize=8)
             ax.grid(True, alpha=0.3)
             if key == "epoch":
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             for name in panels[(group, key)]:
-                (line,) = ax.plot([], [], label=name, linewidth=1.5, markersize=3)
+                (line,) = ax.plot([], [], label=label(name, reporters), linewidth=1.5, markersize=3)
                 (partial_line,) = ax.plot([], [], linestyle="", marker="o", markersize=6, markerfacecolor="none",
                                           color=line.get_color())
                 self._lines[(key, name)] = (line, partial_line)
@@ -409,6 +440,9 @@ class DisplayView:
         self.updates_sent = 0
         self._drawn_version = -1
         self._next_draw = 0.0
+        self._credit = DRAW_BURST_S  # seconds of drawing it may spend now
+        self._credit_at = time.monotonic()
+        self._draw_cost = 0.0  # what the last redraw took
         self._png: str | None = None
         self._broken = False
         self._stop = threading.Event()
@@ -460,7 +494,11 @@ class DisplayView:
             line = watcher.status.line(watcher.reducer, time.time())
             version = watcher.curves.version
             snapshot = None
-            if final or (version != self._drawn_version and time.monotonic() >= self._next_draw):
+            now = time.monotonic()
+            self._credit = min(DRAW_BURST_S, self._credit + (now - self._credit_at) * DRAW_SHARE)
+            self._credit_at = now
+            if final or (version != self._drawn_version and now >= self._next_draw
+                         and (self._credit >= self._draw_cost or now >= self._next_draw + MAX_STALE_S)):
                 snapshot = watcher.curves.snapshot()
         status = self.status_text(line, final)
         if status != self.status_output.data["text/plain"]:
@@ -469,10 +507,12 @@ class DisplayView:
         if snapshot is None:
             return
         started = time.monotonic()
-        first = self._drawn_version < 0  # pays for importing matplotlib: no measure of drawing
+        first = not self.plot.built  # pays for importing matplotlib: no measure of drawing
         png = self.plot.render(snapshot, title=line if final else None, compress_level=6 if final else 1)
         spent = 0.0 if first else time.monotonic() - started
-        self._next_draw = time.monotonic() + min(MAX_REDRAW_S, max(MIN_REDRAW_S, spent / DRAW_SHARE))
+        self._credit = max(-DRAW_BURST_S, self._credit - spent)
+        self._draw_cost = spent
+        self._next_draw = time.monotonic() + MIN_REDRAW_S
         self._drawn_version = version
         if png is not None:
             self.figure_output.update({"image/png": base64.b64encode(png).decode(), "text/plain": line})
@@ -583,6 +623,9 @@ class Watcher:
         self.curves = Curves()
         self.forwarder = Forwarder(getattr(job, "callbacks", ()))
         self.views: list = []
+        self.curves.reporters = self.reducer.history.reporters if isinstance(job.history, History) else {}
+        self._forwarding = threading.RLock()  # updates reach callbacks and views in order, from either thread
+        self._settle_timer: threading.Timer | None = None
         self._view_chosen = False
         self._started_on = threading.get_ident()
         self._warned = False
@@ -606,15 +649,20 @@ class Watcher:
 
     def _on_event(self, kind: str, rank: int, body: dict) -> None:
         if kind == protocol.METRIC:
-            with self.lock:
-                updates = []
-                for report in body["reports"]:
-                    updates += self.reducer.add(rank, report)
-                    if "rank_stats" in report:
-                        self.job.ranks.add(rank, report["rank_stats"])
-                for update in updates:
-                    self.curves.add(update)
-            self.forwarder.send(updates)
+            with self._forwarding:
+                with self.lock:
+                    updates = []
+                    for report in body["reports"]:
+                        updates += self.reducer.add(rank, report)
+                        if "rank_stats" in report:
+                            self.job.ranks.add(rank, report["rank_stats"])
+                    for update in updates:
+                        self.curves.add(update)
+                    notices, self.reducer.notices = self.reducer.notices, []
+                    self._schedule_settle()
+                self.forwarder.send(updates)
+            for notice in notices:  # said once, in the cell
+                print(f"ddp_notebook: {notice}", file=sys.stderr)
             self._first_report()
             self._tell_views("updated", updates)
         elif kind == protocol.PROGRESS:
@@ -634,6 +682,9 @@ class Watcher:
                 self._first_report()  # the dashboard shows while the job waits in the queue
         elif kind == protocol.ENDED:
             self._ended(body)
+        elif kind == protocol.RESULT:
+            with self.lock:
+                self.status.returned.add(rank)
         elif kind == protocol.STOPPING:
             with self.lock:
                 self.status.stopping = f"stopping at the next batch (asked by {body['by']})"
@@ -645,6 +696,30 @@ class Watcher:
                     if self.status.restart else f"resuming from epoch {body['epoch']}"
             print(f"ddp_notebook: attempt {getattr(self.job, 'attempt', 0) + 1} resumes from epoch "
                   f"{body['epoch']}", file=sys.stderr)
+
+    def _schedule_settle(self) -> None:
+        """(Under the lock.)  A metric waits for ranks that have not reported it yet: settle it when its wait
+        is over even if no report comes then (a rank-0-only report once an epoch)."""
+        delay = self.reducer.settles_in()
+        if delay is None or self._settle_timer is not None or self.status.outcome is not None:
+            return
+        self._settle_timer = threading.Timer(delay + 0.01, self._settle_due)
+        self._settle_timer.daemon = True
+        self._settle_timer.start()
+
+    def _settle_due(self) -> None:
+        with self._forwarding:
+            with self.lock:
+                self._settle_timer = None
+                if self.status.outcome is not None:
+                    return
+                updates = self.reducer.settle()
+                for update in updates:
+                    self.curves.add(update)
+                self._schedule_settle()
+            self.forwarder.send(updates)
+        if updates:
+            self._tell_views("updated", updates)
 
     def _restarted(self, body: dict) -> None:
         """An attempt failed and the job runs again on fresh ranks: mark it on the curves and the status line."""
@@ -675,22 +750,26 @@ class Watcher:
 
     def _ended(self, body: dict) -> None:
         stopped = self.job.status == "stopped"
-        with self.lock:
-            updates = self.reducer.finish()
-            for update in updates:
-                self.curves.add(update)
-            self.status.ended_at = self.job.ended_at or time.time()
-            stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
-            if stopped_text:
-                self.status.outcome = stopped_text
-            elif body.get("ok"):
-                self.status.outcome = "done"
-            elif stopped:
-                self.status.outcome = "stopped"
-            else:
-                self.status.outcome = "failed"
-        self.forwarder.send(updates)
-        self.forwarder.close()
+        with self._forwarding:
+            with self.lock:
+                if self._settle_timer is not None:
+                    self._settle_timer.cancel()
+                    self._settle_timer = None
+                updates = self.reducer.finish()
+                for update in updates:
+                    self.curves.add(update)
+                self.status.ended_at = self.job.ended_at or time.time()
+                stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
+                if stopped_text:
+                    self.status.outcome = stopped_text
+                elif body.get("ok"):
+                    self.status.outcome = "done"
+                elif stopped:
+                    self.status.outcome = "stopped"
+                else:
+                    self.status.outcome = "failed"
+            self.forwarder.send(updates)
+            self.forwarder.close()
         self._tell_views("finish", updates)
         # Their last drawing is in the page; each view's figure and outputs would otherwise live as long as the
         # job does (a background job is the cell's value, Out[n]). show() draws again from the history.

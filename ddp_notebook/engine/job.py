@@ -11,6 +11,8 @@ from __future__ import annotations
 import _signal
 import collections
 import contextlib
+import ctypes
+import functools
 import itertools
 import os
 import signal
@@ -27,7 +29,7 @@ from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_t
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
 from . import stacks
-from .output import OutputRelay
+from .output import OutputRelay, release_kernel_pipe
 from .spec import JobSpec
 
 log = logging.getLogger("ddp_notebook")
@@ -617,6 +619,9 @@ class Job(EventSource):
         except BaseException as exc:  # noqa: BLE001
             if self._outcome is None:
                 self._outcome = ("error", exc)
+        finally:
+            release_kernel_pipe()  # the descriptor a kernel gave this thread for its output, closed now
+            trim_heap()
 
     def _finish(self) -> None:
         """Let ranks exit cleanly on success; stop them at once on failure (with ``keep_failed_rank``, all but the
@@ -783,6 +788,25 @@ class Job(EventSource):
         A background job lives as long as the notebook refers to it (``Out[n]``), for hours."""
         self.task = None  # the pickled cell or call: its names, the notebook's cell sources
         self.on_done = []  # called once; the magic's hold the cell's names
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    What a background job allocated on its threads (its messages, its dashboard's drawing) is freed when it ends,
+    but glibc keeps the freed pages of each thread's arena mapped: without this, 60 background jobs grew a kernel by
+    16-22 MiB of pages nothing used.  A few milliseconds, on the job's own thread once it has ended."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def last_job() -> Job | None:

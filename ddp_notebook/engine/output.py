@@ -204,6 +204,34 @@ def _kernel_flushes(stream) -> bool:
         and threading.current_thread() is threading.main_thread()
 
 
+def release_kernel_pipe() -> None:
+    """The calling thread is about to end: close the socket a Jupyter kernel opened for it, now.
+
+    ipykernel gives each thread that prints or publishes output its own zmq socket to the kernel's I/O thread (an
+    eventfd), and closes those of ended threads only every 10 s (Python has no hook for a thread's end,
+    ipython/ipykernel#1125): every background job's thread, and every dashboard's, would hold a descriptor of the
+    kernel's for that long.  What the thread sent is flushed first, so nothing it asked of the I/O thread waits on the
+    socket; a thread that never wrote, or a process that is not a kernel (or a kernel laid out otherwise), is left
+    alone."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    if iostream is None:
+        return
+    stream = next((s for s in (sys.stdout, sys.stderr) if isinstance(s, iostream.OutStream)), None)
+    iopub = getattr(stream, "pub_thread", None)
+    local = getattr(iopub, "_local", None)  # ipykernel's per-thread state: event_pipe, this thread's socket
+    pipes = getattr(iopub, "_event_pipes", None)  # thread -> socket, what its periodic clean-up closes
+    lock = getattr(iopub, "_event_pipe_gc_lock", None)
+    pipe = getattr(local, "event_pipe", None)
+    if pipe is None or not isinstance(pipes, dict) or lock is None:
+        return
+    stream.flush()  # waits for the I/O thread to have done everything queued before it, this thread's sends too
+    with lock:
+        if pipes.get(threading.current_thread()) is pipe:
+            del pipes[threading.current_thread()]
+        del local.event_pipe  # should the thread write again after all, it gets a new one
+    pipe.close()
+
+
 def _label(rank: int) -> str:
     return f"[rank {rank}]" if rank >= 0 else "[torchrun]"
 

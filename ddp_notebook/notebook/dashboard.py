@@ -25,6 +25,7 @@ from ..wire import protocol
 from ..engine import job as engine_job
 from ..engine.callbacks import Forwarder
 from ..engine.history import History, Reducer
+from ..engine.output import release_kernel_pipe
 from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.25
@@ -454,14 +455,17 @@ class DisplayView:
         """New data: the ticking thread draws it."""
 
     def _tick(self) -> None:
-        while not self._stop.wait(STATUS_EVERY_S):
-            try:
-                self.refresh()
-            except Exception as exc:  # noqa: BLE001 - a drawing failure must not touch the job
-                if not self._broken:
-                    self._broken = True
-                    warnings.warn(f"ddp_notebook: the live dashboard stopped updating: {exc!r}", stacklevel=1)
-                return
+        try:
+            while not self._stop.wait(STATUS_EVERY_S):
+                try:
+                    self.refresh()
+                except Exception as exc:  # noqa: BLE001 - a drawing failure must not touch the job
+                    if not self._broken:
+                        self._broken = True
+                        warnings.warn(f"ddp_notebook: the live dashboard stopped updating: {exc!r}", stacklevel=1)
+                    return
+        finally:
+            release_kernel_pipe()  # the descriptor the kernel gave this thread for its updates, closed now
 
     def status_text(self, line: str, final: bool = False) -> str:
         """The status output: the status line, a progress bar while the job runs, how to stop it."""

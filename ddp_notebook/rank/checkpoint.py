@@ -360,16 +360,23 @@ def _new_save_name() -> str:
     return f"{SAVE_FOLDER_PREFIX}{time.time_ns():x}-{secrets.token_hex(8)}"
 
 
-def _checkpoint_folder(path: str, file_mode: int) -> None:
-    """Make a sharded checkpoint's folder (``file_mode`` as a folder's mode: 0700 for 0600) unless it is there; one
-    already there must be a folder of this user's, or a link to a folder made by this user or root."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def _checkpoint_folder(path: str, file_mode: int | None) -> None:
+    """Make a sharded checkpoint's folder (``file_mode`` as a folder's mode: 0700 for 0600) unless it is there, or
+    (``file_mode`` None) only check what is there: a folder of this user's, or a link to a folder made by this user
+    or root; else FileExistsError."""
     try:
-        safe_files.make_folder(path, safe_files.folder_mode(file_mode))
-        return
-    except FileExistsError:
         st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) and st.st_uid in (0, os.geteuid()) and os.path.isdir(path):
+    except FileNotFoundError:
+        if file_mode is None:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            safe_files.make_folder(path, safe_files.folder_mode(file_mode))
+            return
+        except FileExistsError:  # (another rank made it meanwhile, or another user)
+            st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and safe_files.is_ours(st) or \
+            stat.S_ISLNK(st.st_mode) and st.st_uid in (0, os.geteuid()) and os.path.isdir(path):
         return
     if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
         raise FileExistsError(f"{path} is {safe_files.describe(st)}: a checkpoint is saved only into a folder of "
@@ -388,13 +395,11 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
     rank, world_size = rank_and_world_size()
     record["extra"] = _plain(record["extra"])
     _check_weights_only(record["extra"], "extra value")
-    if rank == 0:  # (before the meeting: refused on every rank alike, within the arrival timeout)
-        _checkpoint_folder(path, file_mode)
+    _checkpoint_folder(path, None)  # (before the meeting, writing nothing: refused on every rank alike)
     meeting = _meet_every_rank("save_checkpoint", path)
     folder = os.path.join(path, meeting.folder_name)
     try:
-        if not os.path.isdir(path):
-            _checkpoint_folder(path, file_mode)  # (another host's rank 0 made it: not seen here yet)
+        _checkpoint_folder(path, file_mode)
         safe_files.make_folder(folder, safe_files.folder_mode(file_mode))  # the first rank makes it, private
         _atomic_save({"format": RNG_FORMAT, "rank": rank, "state": rng_state()},
                      os.path.join(folder, f"rank{rank}.rng"), file_mode)
@@ -548,7 +553,8 @@ def _first_refusal() -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        refused = [f for f in exc.failures.values() if isinstance(f, UnsafeCheckpointError)]
+        failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+        refused = [f for f in failures if isinstance(f, UnsafeCheckpointError)]
         if refused:
             raise refused[0] from None
         raise

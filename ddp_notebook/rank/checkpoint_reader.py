@@ -94,13 +94,18 @@ class _WeightsOnlyValues:
             torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             file = self._reader.file_of(read_item)
-            reason = str(exc).strip().splitlines()
             raise UnsafeCheckpointError(
                 f"{file}: not loaded: its value {read_item.dest_index.fqn!r} is a pickled object that "
-                f"torch.load(weights_only=True) refuses, and nothing in it was run "
-                f"({reason[-1] if reason else type(exc).__name__})") from None
+                f"torch.load(weights_only=True) refuses, and nothing in it was run ({_reason(exc)})") from None
         value.seek(0)
         self._planner.load_bytes(read_item, value)
+
+
+def _reason(exc: Exception) -> str:
+    """What torch's weights-only unpickler refused, in one line: its message says it between a first line on the
+    ``weights_only`` default and a last one pointing to the documentation."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[1:-1] if len(lines) > 2 else lines) or type(exc).__name__
 
 
 class WeightsOnlyReader(FileSystemReader):

@@ -147,7 +147,7 @@ def _load_planted_into_fsdp(path):
         ddp_notebook.load_checkpoint(path, model)
     except Exception as exc:  # noqa: BLE001 - told to the test
         return type(exc).__name__, str(exc)
-    return None
+    return "loaded", ""
 
 
 @pytest.mark.slow
@@ -155,12 +155,15 @@ def test_planted_pickles_run_nothing_in_a_two_rank_job(other_user, project_folde
     marker = str(private_folder / "ran")
     by_metadata = run_as(other_user, lambda: _plant_sharded_checkpoint(project_folder, name="a"))
     run_as(other_user, lambda: _metadata_that_runs(by_metadata, marker))
-    by_value = run_as(other_user, lambda: _plant_sharded_checkpoint(project_folder, {"note": Marker(marker)}, "b"))
+    # (a value the sharded model asks for: its bias, pickled)
+    by_value = run_as(other_user, lambda: _plant_sharded_checkpoint(
+        project_folder, {"model": {"weight": _weights()["weight"], "bias": Marker(marker)}}, "b"))
     for path, file_said in ((by_metadata, "/save-1/.metadata: not loaded: it names posix.mkdir"),
-                            (by_value, "/save-1/__0_0.distcp: not loaded: its value 'note' is a pickled object")):
+                            (by_value, "/save-1/__0_0.distcp: not loaded: its value 'model.bias' is a pickled "
+                                       "object")):
         said = ddp_notebook.launch(_load_planted_into_fsdp, (path,), cpus=2)
-        for rank, (kind, message) in enumerate(said):
-            assert kind == "UnsafeCheckpointError" and message.startswith(path + file_said), (rank, message)
+        assert [kind for kind, _ in said] == ["UnsafeCheckpointError"] * 2, (path, said)
+        assert all(message.startswith(path + file_said) for _, message in said), said
         assert not os.path.exists(marker)
 
 

@@ -594,9 +594,10 @@ def _load_shards(folder: str, model: torch.nn.Module, optimizer, strict: bool) -
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    reader = WeightsOnlyReader(folder)
+    reader.read_metadata()  # (a refused folder raises here, on every rank alike)
     with _first_refusal():
-        dcp.load(state, storage_reader=WeightsOnlyReader(folder),
-                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+        dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -109,7 +109,16 @@ def _reason(exc: Exception) -> str:
 
 
 class WeightsOnlyReader(FileSystemReader):
-    """``torch.distributed.checkpoint.FileSystemReader`` that runs nothing the folder holds (see the module)."""
+    """``torch.distributed.checkpoint.FileSystemReader`` that runs nothing the folder holds (see the module).
+
+    The folder's metadata is read once per reader: call :meth:`read_metadata` before ``dcp.load`` to have a refused
+    folder raise there, not inside ``dcp.load`` (which logs the error and goes on to look for other metadata)."""
+
+    _metadata: Any = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        super().reset(checkpoint_id)
+        self._metadata = None
 
     def _file(self, name: str) -> str:
         return os.fspath(self.fs.concat_path(self.path, name))
@@ -119,6 +128,8 @@ class WeightsOnlyReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
+        if rank is None and self._metadata is not None:
+            return self._metadata
         path = self._file(METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
@@ -132,6 +143,8 @@ class WeightsOnlyReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:  # (as FileSystemReader.read_metadata does)
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        if rank is None:
+            self._metadata = metadata
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:

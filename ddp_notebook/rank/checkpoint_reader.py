@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 METADATA_FILE = ".metadata"
 # What a DCP .metadata holds: module -> names.  The torch dtypes are found by type (see _allowed).
@@ -133,7 +133,7 @@ class WeightsOnlyReader(FileSystemReader):
         path = self._file(METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
-        if type(metadata).__name__ != "Metadata":
+        if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path}: not a torch.distributed.checkpoint metadata file")
         for info in (metadata.storage_data or {}).values():
             name = getattr(info, "relative_path", None)

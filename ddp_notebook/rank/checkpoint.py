@@ -15,6 +15,7 @@ model alike (also files saved the naive way, with prefixed keys) using
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import io
@@ -22,21 +23,21 @@ import itertools
 import json
 import os
 import random
-import shutil
-import socket
+import secrets
+import stat
 import sys
 import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import context, sharded
 from .data import rank_and_world_size
-from ..wire import protocol
+from ..wire import protocol, safe_files
 from ..wire.payload import unwrap_model
 
 FORMAT = "ddp_notebook.checkpoint/1"
@@ -52,7 +53,6 @@ ARRIVAL_TIMEOUT_S = 10.0
 
 _save_counts: dict[str, int] = {}
 _meetings: dict[tuple[str, str], int] = {}
-_temp_counter = itertools.count()
 
 
 class ResumeWarning(UserWarning):
@@ -177,40 +177,12 @@ def _check_weights_only(values: Mapping[str, Any], what: str) -> None:
 
 # -- atomic files -----------------------------------------------------------------------------
 
-def _temp_prefix(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{socket.gethostname()}-")
-
-
-def _remove_stale_temps(path: str) -> None:
-    """Remove temporary files left by processes of this host that died while saving ``path``."""
-    prefix = _temp_prefix(path)
-    directory, base = os.path.split(prefix)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(base):
-            continue
-        pid_text = name[len(base):].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            try:
-                os.remove(os.path.join(directory, name))
-            except OSError:
-                pass
-        except PermissionError:
-            pass  # alive, someone else's
-
-
 def _pause_before_rename(temp: str, path: str) -> None:
     signal_file = os.environ.get(PAUSE_BEFORE_RENAME_ENV)
     if not signal_file:
         return
-    note = json.dumps({"pid": os.getpid(), "temp": temp, "path": path, "size": os.path.getsize(temp)})
+    size = os.path.getsize(temp)
+    note = json.dumps({"pid": os.getpid(), "temp": temp, "path": path, "size": size})
     with open(signal_file + ".part", "w") as f:
         f.write(note)
     os.replace(signal_file + ".part", signal_file)
@@ -219,43 +191,19 @@ def _pause_before_rename(temp: str, path: str) -> None:
         time.sleep(0.02)  # the test kills us here, or removes the file to let the rename happen
 
 
-def _fsync_directory(directory: str) -> None:
+def _atomic_save(obj: Any, path: str, file_mode: int, test_hook: bool = False) -> None:
+    """Write to a new temporary file (``O_EXCL``, a random name: never through a link another user planted),
+    flush, fsync, then rename over ``path``: readers see old or new, never half.  The file gets ``file_mode``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_save(obj: Any, path: str, test_hook: bool = False) -> None:
-    """Write to a temporary file, flush, fsync, then rename over ``path``: readers see old or new, never half."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale_temps(path)
-    temp = f"{_temp_prefix(path)}{os.getpid()}-{next(_temp_counter)}"
-    try:
-        with open(temp, "wb") as f:
+        with safe_files.replace_atomically(path, file_mode,
+                                           (lambda temp: _pause_before_rename(temp, path)) if test_hook else None) as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if test_hook:
-            _pause_before_rename(temp, path)
-        os.replace(temp, path)
-    except BaseException as exc:
-        try:
-            os.remove(temp)
-        except OSError:
-            pass
-        full = _full_filesystem(exc, obj, path) if isinstance(exc, Exception) else None
+    except Exception as exc:
+        full = _full_filesystem(exc, obj, path)
         if full is not None:
             raise full from exc
         raise
-    _fsync_directory(directory)
 
 
 class _SizeCounter:
@@ -383,10 +331,10 @@ def _meet_every_rank(call: str, path: str) -> _Meeting:
     count = _meetings[(call, path)] = _meetings.get((call, path), 0) + 1
     key = f"ddp_notebook/checkpoint/{call}/{path}/{count}"
     if world_size == 1:
-        return _Meeting(key, f"{SAVE_FOLDER_PREFIX}{time.time_ns():x}")
+        return _Meeting(key, _new_save_name())
     store = _store()
     if rank == 0:
-        store.set(f"{key}/name", f"{SAVE_FOLDER_PREFIX}{time.time_ns():x}")
+        store.set(f"{key}/name", _new_save_name())
     store.set(f"{key}/rank{rank}", "")
     if store.add(f"{key}/arrived", 1) == world_size:
         store.set(f"{key}/all", "")
@@ -407,39 +355,69 @@ def _meet_every_rank(call: str, path: str) -> _Meeting:
     return _Meeting(key, store.get(f"{key}/name").decode())
 
 
-def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict) -> str:
+def _new_save_name() -> str:
+    """A new save folder's name: in time order, and with a random part no other user can guess before it is made."""
+    return f"{SAVE_FOLDER_PREFIX}{time.time_ns():x}-{secrets.token_hex(8)}"
+
+
+def _checkpoint_folder(path: str, file_mode: int | None) -> None:
+    """Make a sharded checkpoint's folder (``file_mode`` as a folder's mode: 0700 for 0600) unless it is there, or
+    (``file_mode`` None) only check what is there: a folder of this user's, or a link to a folder made by this user
+    or root; else FileExistsError."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if file_mode is None:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            safe_files.make_folder(path, safe_files.folder_mode(file_mode))
+            return
+        except FileExistsError:  # (another rank made it meanwhile, or another user)
+            st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and safe_files.is_ours(st) or \
+            stat.S_ISLNK(st.st_mode) and st.st_uid in (0, os.geteuid()) and os.path.isdir(path):
+        return
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+        raise FileExistsError(f"{path} is {safe_files.describe(st)}: a checkpoint is saved only into a folder of "
+                              f"yours; remove it, or save under another path")
+    raise FileExistsError(
+        f"{path} is a single-file checkpoint (of a model that is not sharded); a sharded model's checkpoint is "
+        f"a directory: save it under another path (the file is left as it is)")
+
+
+def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, file_mode: int) -> str:
     """Every rank writes its shards into a new save folder inside the directory ``path``; once all have, rank 0
     makes it the current one (the index file, replaced atomically) and removes the earlier saves."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(
-            f"{path} is a single-file checkpoint (of a model that is not sharded); a sharded model's checkpoint is "
-            f"a directory: save it under another path (the file is left as it is)")
     rank, world_size = rank_and_world_size()
     record["extra"] = _plain(record["extra"])
     _check_weights_only(record["extra"], "extra value")
+    _checkpoint_folder(path, None)  # (before the meeting, writing nothing: refused on every rank alike)
     meeting = _meet_every_rank("save_checkpoint", path)
     folder = os.path.join(path, meeting.folder_name)
     try:
-        os.makedirs(folder, exist_ok=True)
-        _atomic_save({"format": RNG_FORMAT, "rank": rank, "state": rng_state()}, os.path.join(folder, f"rank{rank}.rng"))
+        _checkpoint_folder(path, file_mode)
+        safe_files.make_folder(folder, safe_files.folder_mode(file_mode))  # the first rank makes it, private
+        _atomic_save({"format": RNG_FORMAT, "rank": rank, "state": rng_state()},
+                     os.path.join(folder, f"rank{rank}.rng"), file_mode)
         if rank == 0:
-            _atomic_save({**record, "optimizer": optimizer is not None}, os.path.join(folder, SHARDED_META))
+            _atomic_save({**record, "optimizer": optimizer is not None}, os.path.join(folder, SHARDED_META), file_mode)
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))  # returns once every rank has written
     except BaseException:
         if rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove_saves(path, keep=None, only=meeting.folder_name)
         raise
-    _commit(path, meeting)
+    _commit(path, meeting, file_mode)
     return path
 
 
-def _commit(path: str, meeting: _Meeting) -> None:
+def _commit(path: str, meeting: _Meeting, file_mode: int) -> None:
     """Rank 0 makes the finished save current; every rank returns when it has (or raises what went wrong)."""
     rank, world_size = rank_and_world_size()
     done = f"{meeting.key}/done"
@@ -454,16 +432,11 @@ def _commit(path: str, meeting: _Meeting) -> None:
     problem = ""
     try:
         folder = os.path.join(path, meeting.folder_name)
+        _set_file_modes(folder, file_mode)  # (torch.distributed.checkpoint wrote its files with the umask)
         _pause_before_rename(folder, path)
         index = os.path.join(path, SHARDED_INDEX)
-        _remove_stale_temps(index)
-        temp = f"{_temp_prefix(index)}{os.getpid()}-{next(_temp_counter)}"
-        with open(temp, "w") as f:
-            json.dump({"format": SHARDED_FORMAT, "current": meeting.folder_name}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, index)
-        _fsync_directory(path)
+        with safe_files.replace_atomically(index, file_mode) as f:
+            f.write(json.dumps({"format": SHARDED_FORMAT, "current": meeting.folder_name}).encode())
         _remove_saves(path, keep=meeting.folder_name)
     except BaseException as exc:
         problem = f"{type(exc).__name__}: {exc}"
@@ -473,30 +446,74 @@ def _commit(path: str, meeting: _Meeting) -> None:
             _store().set(done, problem)
 
 
-def _remove_saves(path: str, keep: str | None) -> None:
-    """Remove the save folders in ``path`` but ``keep`` (earlier saves, and saves a crash left unfinished)."""
+def _set_file_modes(folder: str, file_mode: int) -> None:
+    """Give every file of this user's in the save folder ``file_mode`` (opened without following links)."""
+    fd = safe_files.open_folder(folder)
     try:
-        names = os.listdir(path)
+        for name in os.listdir(fd):
+            try:
+                file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                continue  # a link (ELOOP): not ours to change
+            try:
+                st = os.fstat(file)
+                if stat.S_ISREG(st.st_mode) and safe_files.is_ours(st):
+                    os.fchmod(file, file_mode)
+            finally:
+                os.close(file)
+    finally:
+        os.close(fd)
+
+
+def _remove_saves(path: str | int, keep: str | None, only: str | None = None) -> None:
+    """Remove the save folders in the checkpoint's folder ``path`` (or its descriptor) but ``keep`` (earlier saves,
+    and saves a crash left unfinished), or the save ``only``; through the folder's descriptor, never following a
+    link (a link there is removed itself; another user's folder is left)."""
+    try:
+        fd = safe_files.open_folder(path) if isinstance(path, str) else os.dup(path)
     except OSError:
         return
-    for name in names:
-        if name.startswith(SAVE_FOLDER_PREFIX) and name != keep:
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    try:
+        for name in os.listdir(fd):
+            if name.startswith(SAVE_FOLDER_PREFIX) and name != keep and only in (None, name):
+                try:
+                    safe_files.remove(name, fd)
+                except OSError:
+                    pass
+    finally:
+        os.close(fd)
 
 
 def _current_save(path: str) -> str | None:
-    """The folder of the complete save in a sharded checkpoint's directory; None for a single-file checkpoint."""
+    """The folder of the complete save in a sharded checkpoint's directory; None for a single-file checkpoint.
+    The index names it by a bare name (``save-…``): a folder, not a link, inside the checkpoint's folder."""
     if not os.path.isdir(path):
         return None
+    index_file = os.path.join(path, SHARDED_INDEX)
     try:
-        with open(os.path.join(path, SHARDED_INDEX)) as f:
+        with open(index_file) as f:
             index = json.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is a directory with no complete checkpoint in it (no {SHARDED_INDEX}: no "
                                 f"save_checkpoint of a sharded model to it has finished)") from None
-    if index.get("format") != SHARDED_FORMAT:
-        raise ValueError(f"{os.path.join(path, SHARDED_INDEX)} is not a ddp_notebook checkpoint index")
-    return os.path.join(path, index["current"])
+    except ValueError:
+        raise ValueError(f"{index_file} is not a ddp_notebook checkpoint index (not JSON)") from None
+    if not isinstance(index, dict) or index.get("format") != SHARDED_FORMAT:
+        raise ValueError(f"{index_file} is not a ddp_notebook checkpoint index")
+    current = index.get("current")
+    if not (isinstance(current, str) and current.startswith(SAVE_FOLDER_PREFIX) and "/" not in current
+            and "\0" not in current):  # (so neither absolute, nor "..", nor a path through another folder)
+        raise ValueError(f"{index_file} names {current!r} as its current save: not loaded, a save is a folder "
+                         f"{SAVE_FOLDER_PREFIX}… inside {path}")
+    folder = os.path.join(path, current)
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{index_file} names the save {current}, which is not in {path}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{index_file} names the save {current}, which is {safe_files.describe(st)}, not a folder: "
+                         f"not loaded")
+    return folder
 
 
 def _has_checkpoint(path: str) -> bool:
@@ -507,7 +524,9 @@ def _load_whole(folder: str) -> dict:
     """Every tensor and value of a sharded save, whole, in this process: no process group needed, no collective."""
     from torch.distributed import checkpoint as dcp
 
-    reader = dcp.FileSystemReader(folder)
+    from .checkpoint_reader import WeightsOnlyReader
+
+    reader = WeightsOnlyReader(folder)
     metadata = reader.read_metadata()
     flat: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():  # keys as saved: flattened ("model.a.weight")
@@ -519,8 +538,26 @@ def _load_whole(folder: str) -> dict:
     planner = dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (no_dist: we know)
-        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+        with _first_refusal():
+            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
     return _unflatten(flat, metadata.planner_data)
+
+
+@contextlib.contextmanager
+def _first_refusal() -> Iterator[None]:
+    """A refused checkpoint as its own one-line error, not inside ``CheckpointException``'s per-rank tracebacks."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .checkpoint_reader import UnsafeCheckpointError
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+        refused = [f for f in failures if isinstance(f, UnsafeCheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def _unflatten(flat: Mapping[str, Any], paths: Mapping[str, Sequence]) -> dict:
@@ -552,11 +589,15 @@ def _load_shards(folder: str, model: torch.nn.Module, optimizer, strict: bool) -
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    from .checkpoint_reader import WeightsOnlyReader
+
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
-             planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    reader = WeightsOnlyReader(folder)
+    reader.read_metadata()  # (a refused folder raises here, on every rank alike)
+    with _first_refusal():
+        dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -642,7 +683,7 @@ def _loader_epoch(loader: Any) -> int:
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    epoch: int | None = None, *, loader: Any = None, **extra: Any) -> str:
+                    epoch: int | None = None, *, loader: Any = None, file_mode: int = 0o600, **extra: Any) -> str:
     """Save a checkpoint atomically: from rank 0 for a whole model, from every rank at once for a sharded one.
 
     The model's weights are stored without wrapper prefixes, whatever wraps it
@@ -658,6 +699,12 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     so every rank must call it: a call that some ranks do not make within
     ``DDP_NOTEBOOK_CHECKPOINT_ARRIVAL_S`` seconds (10) is refused on the ranks
     that made it, before anything is written.
+
+    Every file is made new (``O_EXCL``, a random temporary name, renamed into
+    place: never written through a link another user planted) with
+    ``file_mode``: 0600 by default, readable by you alone; ``file_mode=0o640``
+    lets your group read it (a sharded checkpoint's folders get the matching
+    search bits: 0700, 0750).
     """
     path = os.path.abspath(os.fspath(path))
     epoch = _plain(epoch)
@@ -668,7 +715,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         sampler_epoch = sampler_epoch[0] if sampler_epoch else None
     if is_sharded(model):
         return _save_sharded(path, model, optimizer, {"format": FORMAT, "epoch": epoch, "sampler_epoch": sampler_epoch,
-                                                      "world_size": world_size, "extra": extra})
+                                                      "world_size": world_size, "extra": extra}, file_mode)
     if os.path.isdir(path):
         raise IsADirectoryError(
             f"{path} is a directory (a sharded model's checkpoint is one); a model that is not sharded is saved "
@@ -685,8 +732,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
             "format": FORMAT, "model": _model_state(model), "optimizer": optimizer_state,
             "epoch": epoch, "sampler_epoch": sampler_epoch, "world_size": world_size, "rng_tag": tag,
             "extra": extra,
-        }, path, test_hook=True)
-    _atomic_save({"format": RNG_FORMAT, "tag": tag, "rank": rank, "state": rng_state()}, rng_path(path, rank))
+        }, path, file_mode, test_hook=True)
+    _atomic_save({"format": RNG_FORMAT, "tag": tag, "rank": rank, "state": rng_state()}, rng_path(path, rank),
+                 file_mode)
     return path
 
 
@@ -981,9 +1029,13 @@ class BestCheckpoint:
     whole it may be rank 0 only (it then needs no collective), for a sharded
     model it must be every rank, as for :func:`save_checkpoint`.  A score that
     is not strictly better than the worst kept one (or is nan) is not saved.
+    Files are written with ``file_mode`` (:func:`save_checkpoint`).  An evicted
+    checkpoint is removed without following links: a link found in its place
+    is removed itself, and another user's file or folder there is left.
     """
 
-    def __init__(self, path: str | os.PathLike, monitor: str = "score", mode: str = "max", keep: int = 1):
+    def __init__(self, path: str | os.PathLike, monitor: str = "score", mode: str = "max", keep: int = 1,
+                 file_mode: int = 0o600):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', not {mode!r}")
         if keep < 1:
@@ -992,6 +1044,7 @@ class BestCheckpoint:
         self.monitor = monitor
         self.mode = mode
         self.keep = keep
+        self.file_mode = file_mode
         self.step = 0
         self.kept: list[tuple[float, str]] = []  # best first
 
@@ -1025,7 +1078,7 @@ class BestCheckpoint:
             return False
         file = self._file_for(value, epoch)
         extra = {**extra, self.monitor: value, "mode": self.mode}
-        save_checkpoint(file, model, optimizer, epoch, loader=loader, **extra)
+        save_checkpoint(file, model, optimizer, epoch, loader=loader, file_mode=self.file_mode, **extra)
         self.kept = [(s, p) for s, p in self.kept if p != file]
         self.kept.append((value, file))
         self.kept.sort(key=lambda item: item[0], reverse=self.mode == "max")
@@ -1038,31 +1091,47 @@ class BestCheckpoint:
 
 def _remove_checkpoint(path: str) -> None:
     """Rank 0 removes the checkpoint and every rank's RNG file; other ranks remove their own RNG file.  Of a
-    sharded checkpoint's directory only what a save put there goes (then the directory, if that left it empty)."""
+    sharded checkpoint's directory only what a save put there goes (then the directory, if that left it empty).
+    Nothing is removed through a link: a link at ``path`` (or at a save's name) is removed itself, through the
+    descriptor of the folder it is in, and another user's file or folder is left."""
     rank, _ = rank_and_world_size()
-    if os.path.isdir(path):
-        if rank == 0:
-            try:
-                os.remove(os.path.join(path, SHARDED_INDEX))  # first: no half-removed checkpoint looks complete
-            except FileNotFoundError:
-                pass
-            _remove_saves(path, keep=None)
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass  # something of the user's is in it
+    directory, base = os.path.split(path)
+    try:
+        parent = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
         return
-    doomed = [rng_path(path, rank)]
-    if rank == 0:
-        directory, base = os.path.split(path)
-        doomed.append(path)
+    try:
+        _remove_checkpoint_in(parent, base, rank)
+    finally:
+        os.close(parent)
+
+
+def _remove_checkpoint_in(parent: int, base: str, rank: int) -> None:
+    try:
+        st = os.lstat(base, dir_fd=parent)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        if rank != 0 or not safe_files.is_ours(st):
+            return
         try:
-            doomed += [os.path.join(directory, n) for n in os.listdir(directory)
-                       if n.startswith(base + ".rank") and n.endswith(".rng")]
+            fd = safe_files.open_folder(base, dir_fd=parent)  # (a link put there since the lstat: ELOOP)
         except OSError:
-            pass
-    for file in doomed:
+            return
         try:
-            os.remove(file)
-        except FileNotFoundError:
-            pass
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHARDED_INDEX, dir_fd=fd)  # first: no half-removed checkpoint looks complete
+            _remove_saves(fd, keep=None)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(base, dir_fd=parent)  # (not if something of the user's is in it)
+        return
+    doomed = [f"{base}.rank{rank}.rng"]  # (rng_path's name)
+    if rank == 0:
+        doomed.append(base)
+        with contextlib.suppress(OSError):
+            doomed += [n for n in os.listdir(parent) if n.startswith(base + ".rank") and n.endswith(".rng")]
+    for name in doomed:
+        with contextlib.suppress(OSError):
+            safe_files.remove(name, parent)

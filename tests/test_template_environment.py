@@ -174,9 +174,11 @@ _KERNEL_SETUP = textwrap.dedent("""
     logging.getLogger("ddp_notebook").setLevel(logging.DEBUG)
 
     def seen():
-        import os, ddpnb_fake_envlib
+        import logging, os, ddpnb_fake_envlib
         return {"ppid": os.getppid(), "user": os.environ.get("WANDB_PROJECT"),
-                "setting": ddpnb_fake_envlib.SETTING, "env_setting": os.environ.get("DDPNB_FAKE_ENVLIB_SETTING")}
+                "elastic": os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE"),
+                "setting": ddpnb_fake_envlib.SETTING, "env_setting": os.environ.get("DDPNB_FAKE_ENVLIB_SETTING"),
+                "dynamo_log_level": logging.getLogger("torch._dynamo").level}
 """)
 
 
@@ -195,24 +197,36 @@ def test_in_a_kernel_a_change_in_the_cell_of_the_jobs_keeps_them_forked_and_a_li
             "ddp_notebook.launch(seen, cpus=2)",
             "first = t.current(); assert first.wait_preloaded(); print('PRELOADED', 'ddpnb_fake_envlib' in "
             "first.preloaded, first.read_at_import('DDPNB_FAKE_ENVLIB_SETTING'))",
-            # one cell, as Run All runs it: a user's variable changed, then three jobs
-            "os.environ['WANDB_PROJECT'] = 'demo'\n"
+            # one cell, as Run All runs it: a user's variable and one torch elastic reads when used, then three jobs
+            "os.environ['WANDB_PROJECT'] = 'demo'\nos.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = 'SIGTERM'\n"
             "print('SAME ' + json.dumps([ddp_notebook.launch(seen, cpus=2) for _ in range(3)] + [first.proc.pid]))",
             # a variable the preloaded library read as it imported: the rank must see what a fresh import sees
             "os.environ['DDPNB_FAKE_ENVLIB_SETTING'] = 'new'\n"
             "print('NEW ' + json.dumps([ddp_notebook.launch(seen, cpus=2) for _ in range(2)] + [t.current_pid()]))",
             "print('NOTEBOOK', ddpnb_fake_envlib.SETTING)",
+            # between jobs, in a cell of its own, one torch read as it imported: a new template from the cell's end
+            "before_change = t.current_pid()\nos.environ['TORCH_LOGS'] = '+dynamo'",
+            "print('AT THE END OF THE CELL', before_change, t.current_pid())",
+            "print('TORCH ' + json.dumps([ddp_notebook.launch(seen, cpus=2), t.current_pid()]))",
             "print('LOG ' + json.dumps(DEBUG_LOG))",
         ])
     assert "PRELOADED True ddpnb_fake_envlib" in said
     *same, first_pid = json.loads(re.search(r"SAME (.*)", said).group(1))
     for job in same:
-        assert job == [{"ppid": first_pid, "user": "demo", "setting": None, "env_setting": None}] * 2
+        assert job == [{"ppid": first_pid, "user": "demo", "elastic": "SIGTERM", "setting": None,
+                        "env_setting": None, "dynamo_log_level": 0}] * 2
     *new, second_pid = json.loads(re.search(r"NEW (.*)", said).group(1))
     assert second_pid != first_pid
     for job in new:
-        assert job == [{"ppid": second_pid, "user": "demo", "setting": "new", "env_setting": "new"}] * 2
+        assert job == [{"ppid": second_pid, "user": "demo", "elastic": "SIGTERM", "setting": "new",
+                        "env_setting": "new", "dynamo_log_level": 0}] * 2
     assert "NOTEBOOK None" in said  # imported before the change, the notebook's own copy kept what it read
+    before_change, at_the_end = (int(n) for n in re.search(r"AT THE END OF THE CELL (\d+) (\d+)", said).groups())
+    assert before_change == second_pid and at_the_end != second_pid  # started as the changing cell ended
+    job, third_pid = json.loads(re.search(r"TORCH (.*)", said).group(1))
+    assert third_pid == at_the_end
+    assert job == [{"ppid": third_pid, "user": "demo", "elastic": "SIGTERM", "setting": "new", "env_setting": "new",
+                    "dynamo_log_level": 10}] * 2
     log = json.loads(re.search(r"LOG (.*)", said).group(1))
     assert any("forked with the environment of now" in line and "WANDB_PROJECT" in line for line in log)
     assert any("replaced" in line and "DDPNB_FAKE_ENVLIB_SETTING (read by ddpnb_fake_envlib)" in line for line in log)

@@ -69,6 +69,17 @@ def rounds(contenders: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def process_rounds(processes: list, repeats: int) -> dict[str, list[float]]:
+    """:func:`rounds` of processes (``run.Process``, ``run.Caller``): each started first, stopped at the end."""
+    for p in processes:
+        p.start()
+    try:
+        return rounds({p.name: p.once for p in processes}, repeats)
+    finally:
+        for p in processes:
+            p.stop()
+
+
 def fresh_script(repeats: int, work: str, before: str | None) -> dict[str, list[float]]:
     def private(name):
         return tempfile.mkdtemp(prefix=f"{name}-", dir=work)
@@ -87,13 +98,7 @@ def fresh_script(repeats: int, work: str, before: str | None) -> dict[str, list[
     if run._version("accelerate"):
         processes.append(run.Caller("accelerate `notebook_launcher` from a live process", "accelerate",
                                     private("accelerate")))
-    for p in processes:
-        p.start()
-    try:
-        return rounds({p.name: p.once for p in processes}, repeats)
-    finally:
-        for p in processes:
-            p.stop()
+    return process_rounds(processes, repeats)
 
 
 KERNEL_SETUP = r'''
@@ -202,13 +207,7 @@ def changed_environment_script(repeats: int, work: str) -> dict[str, list[float]
     if not run._version("accelerate"):
         callers = [c for c in callers if "accelerate" not in c[1]]
     processes = [run.Caller(name, kind, tempfile.mkdtemp(prefix=f"{kind}-", dir=work)) for name, kind in callers]
-    for p in processes:
-        p.start()
-    try:
-        return rounds({p.name: p.once for p in processes}, repeats)
-    finally:
-        for p in processes:
-            p.stop()
+    return process_rounds(processes, repeats)
 
 
 CHANGED_IN_CELL = {

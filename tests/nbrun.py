@@ -232,3 +232,14 @@ def run_cells_answering(cells: list[str], answers: dict[int, list[str]], timeout
                              resources={"metadata": {"path": cwd}} if cwd else {})
     client.execute()
     return nb, client
+
+
+# Kernel code: every debug message of ddp_notebook kept in DEBUG_LOG (a list), for a test to read back.
+KEEP_DEBUG_LOG = """
+import logging
+DEBUG_LOG = []
+_handler = logging.Handler(logging.DEBUG)
+_handler.emit = lambda record: DEBUG_LOG.append(record.getMessage())
+logging.getLogger("ddp_notebook").addHandler(_handler)
+logging.getLogger("ddp_notebook").setLevel(logging.DEBUG)
+"""

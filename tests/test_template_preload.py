@@ -18,7 +18,7 @@ import pytest
 
 from ddp_notebook.engine import template
 from jupyter_client.manager import start_new_kernel
-from nbrun import execute, gone, kernel, run_cell
+from nbrun import KEEP_DEBUG_LOG, execute, gone, kernel, run_cell
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.kernel]
 
@@ -66,15 +66,9 @@ def _install(folder, name: str, code: str, version: str = "1.0") -> None:
 
 # In the kernel: every debug message of ddp_notebook kept in DEBUG_LOG, and settle(), which waits until the template
 # is ready and has preloaded what the notebook imported, replacing every template a library tainted on the way.
-_KERNEL_SETUP = textwrap.dedent("""
+_KERNEL_SETUP = KEEP_DEBUG_LOG + textwrap.dedent("""
     import json, logging, os, sys
     from ddp_notebook.engine import template as t
-
-    DEBUG_LOG = []
-    _handler = logging.Handler(logging.DEBUG)
-    _handler.emit = lambda record: DEBUG_LOG.append(record.getMessage())
-    logging.getLogger("ddp_notebook").addHandler(_handler)
-    logging.getLogger("ddp_notebook").setLevel(logging.DEBUG)
 
     def settle():
         while True:

@@ -19,16 +19,14 @@ import grp
 import json
 import os
 import pickle
-import pwd
 import stat
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..wire import payload, sharing
+from ..wire import payload, safe_files, sharing
 from ..wire.errors import LaunchError
 from ..wire.versions import FORMAT, versions
 from .spec import check_options
@@ -81,13 +79,9 @@ def paths(script: str) -> dict[str, str]:
 
 
 def _new_temp(directory: str, name: str, mode: int = 0o600) -> tuple[int, str]:
-    """A new file of this process's beside ``name``, under a name no one can guess: (its descriptor, its path).
-    Made with ``O_EXCL`` and never through a link (:func:`tempfile.mkstemp`), so a file another user put there
-    first is never written, and its owner cannot read or swap what is."""
-    fd, path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(name)}.", suffix=".tmp")
-    if mode != 0o600:
-        os.fchmod(fd, mode)  # ours, just made
-    return fd, path
+    """A new file of this process's beside ``name`` in ``directory``, under a name no one can guess (its descriptor,
+    its path): never a file another user put there first, never through a link (``safe_files.new_temp``)."""
+    return safe_files.new_temp(os.path.join(directory, os.path.basename(name)), mode)
 
 
 class ExportFolderWarning(UserWarning):
@@ -99,7 +93,7 @@ def _warn_if_shared(directory: str) -> None:
     payload every rank unpickles) between the export and its run.  A group of the owner alone (a user private
     group) is no other user."""
     st = os.stat(directory)
-    owner = _user(st.st_uid)
+    owner = safe_files.user_name(st.st_uid)
     try:
         group = grp.getgrgid(st.st_gid)
         own_group = group.gr_name == owner and set(group.gr_mem) <= {owner}
@@ -113,21 +107,14 @@ def _warn_if_shared(directory: str) -> None:
                       f"export into a folder only you can write", ExportFolderWarning, stacklevel=2)
 
 
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 def _put(temp: str, path: str) -> None:
     """Give the file ``temp`` its name ``path``; another user's file there (a sticky folder) is named."""
     try:
         os.replace(temp, path)
     except PermissionError:
         st = os.lstat(path)
-        raise LaunchError(f"--export: cannot replace {path}: it is {_user(st.st_uid)}'s, in a folder where only its "
-                          f"owner may replace it; export to another path") from None
+        raise LaunchError(f"--export: cannot replace {path}: it is {safe_files.user_name(st.st_uid)}'s, in a folder "
+                          f"where only its owner may replace it; export to another path") from None
 
 
 class _ArrayFile(sharing.Store):

@@ -32,8 +32,9 @@ class History(list):
 
     ``by_rank[i]`` holds each rank's own values behind record ``i``, before reduction:
     ``{name: {rank: value}}``.  ``reporters`` names the metrics that only some ranks report, with those ranks
-    (``{"loss": [0]}`` for ``if rank == 0: report(loss=...)``): their values are reduced over those ranks alone.  ``attempts`` lists the attempts that failed and were restarted
-    (``--max-restarts``): ``{"attempt", "cause", "at"}`` with ``at`` the x values reached (``{"epoch": 3}``).
+    (``{"loss": [0]}`` for ``if rank == 0: report(loss=...)``): their values are reduced over those ranks alone.
+    ``attempts`` lists the attempts that failed and were restarted (``--max-restarts``): ``{"attempt", "cause",
+    "at"}`` with ``at`` the x values reached (``{"epoch": 3}``).
     A restarted attempt's records replace the failed attempt's for the x values it replays.
     """
 

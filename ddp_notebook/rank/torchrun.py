@@ -26,13 +26,11 @@ import hashlib
 import json
 import os
 import pickle
-import pwd
 import queue
 import shutil
 import socket
 import stat
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -40,7 +38,7 @@ from multiprocessing.connection import wait as wait_ready
 
 from ..wire import channel
 from . import context, debugging
-from ..wire import protocol, sharing, versions
+from ..wire import protocol, safe_files, sharing, versions
 from ..wire.protocol import RUN_DIR_ENV, metrics_path
 from . import worker
 
@@ -369,25 +367,12 @@ def _run_folder(path: str, strict: bool) -> None:
     if not stat.S_ISDIR(st.st_mode):
         problem = "is not a folder"
     elif st.st_uid != os.geteuid():
-        problem = f"belongs to {_user(st.st_uid)}"
+        problem = f"belongs to {safe_files.user_name(st.st_uid)}"
     elif st.st_mode & 0o022:
         problem = f"may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
     if problem is not None:
         raise RuntimeError(f"the run folder {path} {problem}: the run's metrics and results go only into a folder "
                            f"of yours; remove it, or give another --run-dir")
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _new_file(path: str) -> tuple[int, str]:
-    """A new file (0600, a name no one can guess) beside ``path``, to be renamed to it once written."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".new")
-    return fd, tmp
 
 
 class _Writer:
@@ -407,7 +392,7 @@ class _Writer:
         self.head = head
         self.local_world_size = local_world_size
         self.path = path
-        self.fd, tmp = _new_file(path)
+        self.fd, tmp = safe_files.new_temp(path)
         os.replace(tmp, path)
         self.lines: list[bytes] = []
         self.conns: dict = {}  # connection -> rank (-1 until its hello)
@@ -497,7 +482,7 @@ class _Writer:
     def _keep(self, name: str, data: bytes) -> str:
         """Write a file beside the metrics file, whole before it has its name."""
         path = os.path.join(os.path.dirname(self.path), name)
-        fd, tmp = _new_file(path)
+        fd, tmp = safe_files.new_temp(path)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -165,10 +165,11 @@ def describe(st: os.stat_result) -> str:
     """What a ``stat`` result is, and whose: 'a symbolic link of alice's'."""
     kind = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO",
             stat.S_IFSOCK: "a socket", stat.S_IFREG: "a file"}.get(stat.S_IFMT(st.st_mode), "a device")
-    return f"{kind} of yours" if is_ours(st) else f"{kind} of {_user(st.st_uid)}'s"
+    return f"{kind} of yours" if is_ours(st) else f"{kind} of {user_name(st.st_uid)}'s"
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """The name of the user ``uid``, or ``uid N`` when it has none."""
     import pwd
 
     try:

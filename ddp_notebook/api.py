@@ -14,8 +14,8 @@ from .engine import template as rank_template
 from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
-from .engine.output import OutputRelay
-from .engine.spec import JobSpec, check_options, prepare_log_dir, resolve_devices
+from .engine.output import OutputRelay, RankLogs
+from .engine.spec import JobSpec, check_options, resolve_devices
 from .notebook import prompting
 from .wire import payload
 from .wire.errors import LaunchError, Stopped
@@ -161,11 +161,14 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
     ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
     arrays (copied) rather than the notebook's own pages (moved, which only a waiting notebook allows).
     """
-    log_dir = prepare_log_dir(log_dir)
     warm = pool.current() if on_pool else None
-    # several hosts, or a Slurm job: exported when the job starts
-    data = task if spec.nnodes > 1 or spec.executor is not None else payload.dumps(task, snapshot=background)
+    logs = data = None
     try:
+        # This host's ranks' logs are opened (or refused) before any rank starts; others' when they first print.
+        logs = None if log_dir is None else \
+            RankLogs.open(log_dir, targets if targets is not None else range(spec.world_size // max(spec.nnodes, 1)))
+        # several hosts, or a Slurm job: exported when the job starts
+        data = task if spec.nnodes > 1 or spec.executor is not None else payload.dumps(task, snapshot=background)
         if warm is not None:
             job = warm.job(data, spec, targets, relay, max_restarts=max_restarts)
         else:  # fresh ranks: of this host, of this host as node 0 of several hosts, or of a Slurm job
@@ -173,11 +176,14 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
                 multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks
             job = Job(spec, data, relay=relay, backend=backend, max_restarts=max_restarts)
     except BaseException:
-        payload.release(data)
+        if data is not None:
+            payload.release(data)
         spec.release_devices()
+        if logs is not None:
+            logs.close()
         raise
     job.callbacks = list(callbacks)
-    job.relay.log_dir = log_dir
+    job.relay.logs = logs
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
     return job
@@ -194,6 +200,7 @@ def start_job(job: Job, background: bool = False) -> Job:
     except BaseException:
         payload.release(job.task)  # no rank ever ran: its shared arrays go now
         job.spec.release_devices()
+        job.relay.close_logs()
         raise
 
 

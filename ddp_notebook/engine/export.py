@@ -15,14 +15,11 @@ Notebook side; the versions are read the same way on both sides.
 """
 from __future__ import annotations
 
-import grp
 import json
 import os
 import pickle
-import stat
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -84,27 +81,8 @@ def _new_temp(directory: str, name: str, mode: int = 0o600) -> tuple[int, str]:
     return safe_files.new_temp(os.path.join(directory, os.path.basename(name)), mode)
 
 
-class ExportFolderWarning(UserWarning):
+class ExportFolderWarning(safe_files.SharedFolderWarning):
     """The folder of an export is writable by other users."""
-
-
-def _warn_if_shared(directory: str) -> None:
-    """Warn when other users may write in the export's folder: they could replace or remove its files (the
-    payload every rank unpickles) between the export and its run.  A group of the owner alone (a user private
-    group) is no other user."""
-    st = os.stat(directory)
-    owner = safe_files.user_name(st.st_uid)
-    try:
-        group = grp.getgrgid(st.st_gid)
-        own_group = group.gr_name == owner and set(group.gr_mem) <= {owner}
-    except KeyError:
-        own_group = False
-    who = "every user" if st.st_mode & stat.S_IWOTH else \
-        "its group" if st.st_mode & stat.S_IWGRP and not own_group else None
-    if who is not None:
-        warnings.warn(f"ddp_notebook: {who} may write in {directory} (mode {stat.S_IMODE(st.st_mode):o}): another "
-                      f"user could replace the export's files before it runs (the payload is code every rank runs); "
-                      f"export into a folder only you can write", ExportFolderWarning, stacklevel=2)
 
 
 def _put(temp: str, path: str) -> None:
@@ -179,7 +157,10 @@ def write(task: Any, path: str, *, run_dir: str | None = None, seed: int | None 
     files = paths(script)
     label = task_label(task)
     run_dir = os.path.abspath(os.path.expanduser(os.fspath(run_dir))) if run_dir is not None else None
-    _warn_if_shared(directory)
+    # Other users could replace or remove its files (the payload every rank unpickles) between the export and its run.
+    safe_files.warn_if_shared(directory, directory, "another user could replace the export's files before it runs "
+                             "(the payload is code every rank runs)", "export into a folder only you can write",
+                             ExportFolderWarning)
     store = _ArrayFile(directory, os.path.basename(files["arrays"]))
     temps = []  # made here: removed unless renamed to their names
     try:

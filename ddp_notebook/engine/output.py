@@ -6,7 +6,7 @@ gathered and written at most ``rate`` times a second, within a byte budget;
 when a batch is over budget its oldest lines are elided and the cell says how
 many.  The newest lines are always kept, and the final flush shows the tail; a line longer than a flush's
 budget (a rank's share of it) is shown clipped to it, its start and end, with a note of how much was cut and
-where the whole line is (the rank's log: :meth:`OutputRelay.log`, ``log_dir``).
+where the whole line is (the rank's log: :meth:`OutputRelay.log`, ``--log-dir``: :class:`RankLogs`).
 
 A rank's stdout and stderr lines keep the order they arrived in.  A line a rank
 redraws after ``\r`` (a tqdm bar) is shown at the same pace while it is drawn:
@@ -24,16 +24,102 @@ import threading
 import time
 from typing import Callable, TextIO
 
-from ..wire.errors import clipped
+from ..wire import safe_files
+from ..wire.errors import LaunchError, clipped
 
 
 LOG_BYTES_PER_RANK = 16 << 20  # job.logs(rank) keeps each rank's newest 16 MB
 MIN_LINE_CHARS = 1_000  # a line is clipped to its rank's share of a flush's budget, but never below this
 
 
+class LogFolderWarning(safe_files.SharedFolderWarning):
+    """Other users may write in the folder of ``--log-dir``."""
+
+
+class RankLogs:
+    """The files of ``--log-dir``: each rank's complete output appended to ``rank<N>.log``.
+
+    The folder is opened once and every log is opened through its descriptor, only when it is a regular file of
+    this user's with no other name (:func:`~ddp_notebook.wire.safe_files.open_own_file`: never through a link, never
+    waiting on a FIFO; a new one 0600).  A log is written by the job's thread alone; a refused one is not written,
+    and said once (:meth:`write`)."""
+
+    def __init__(self, path: str, folder_fd: int):
+        self.path = path
+        self._folder = folder_fd
+        self._files: dict[int, int] = {}
+        self._refused: set[int] = set()
+
+    @classmethod
+    def open(cls, log_dir: str, ranks) -> "RankLogs":
+        """The folder ``log_dir`` (made if missing) and the logs of ``ranks``, opened before anything starts: a
+        LaunchError names a log that is not a file of this user's (and what it is, and whose), or a folder that
+        cannot be written.  Warns (:class:`LogFolderWarning`) when other users may write in the folder."""
+        path = os.path.abspath(os.path.expanduser(os.fspath(log_dir)))
+        try:
+            os.makedirs(path, exist_ok=True)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # (a link the user made is theirs)
+        except OSError as exc:
+            raise LaunchError(f"--log-dir {log_dir}: cannot make or open it: {exc.strerror}") from None
+        logs = cls(path, fd)
+        try:
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise LaunchError(f"--log-dir {log_dir}: not writable")
+            safe_files.warn_if_shared(fd, path, "another user could remove the rank logs or put something of theirs "
+                                     "at their names (a log is written only when it is a plain file of yours)",
+                                     "log into a folder only you can write in", LogFolderWarning, stacklevel=3)
+            for rank in ranks:
+                try:
+                    logs._open(rank)
+                except safe_files.NotOwnFileError as exc:
+                    raise LaunchError(f"--log-dir {log_dir}: {exc}; no rank was started (remove it, or log into a "
+                                      f"folder only you can write in)") from None
+                except OSError as exc:
+                    raise LaunchError(f"--log-dir {log_dir}: cannot open {logs.path_of(rank)}: "
+                                      f"{exc.strerror}") from None
+        except BaseException:
+            logs.close()
+            raise
+        return logs
+
+    def path_of(self, rank: int) -> str:
+        return os.path.join(self.path, f"rank{rank}.log")
+
+    def _open(self, rank: int) -> int:
+        fd = self._files.get(rank)
+        if fd is None:
+            fd = self._files[rank] = safe_files.open_own_file(
+                f"rank{rank}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, dir_fd=self._folder,
+                shown=self.path_of(rank))
+        return fd
+
+    def write(self, rank: int, data: bytes) -> str | None:
+        """Append ``data`` to rank ``rank``'s log; the reason, the first time, when its log is refused (None
+        otherwise, and every later time: a refused log is not tried again)."""
+        if rank in self._refused:
+            return None
+        try:
+            fd = self._open(rank)
+        except safe_files.NotOwnFileError as exc:
+            self._refused.add(rank)
+            return f"{exc}; rank {rank}'s output is not logged there"
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        return None
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        if self._folder >= 0:
+            os.close(self._folder)
+            self._folder = -1
+
+
 class OutputRelay:
     """Relays rank output to the cell (see the module docstring) and keeps each rank's complete output: the newest
-    ``LOG_BYTES_PER_RANK`` bytes in memory (:meth:`log`), everything in ``log_dir/rank<N>.log`` when set."""
+    ``LOG_BYTES_PER_RANK`` bytes in memory (:meth:`log`), everything in ``logs`` (``--log-dir``) when set."""
 
     def __init__(
         self,
@@ -56,9 +142,8 @@ class OutputRelay:
         self._last_flush = clock()
         self.elided = 0
         self.lines_seen = 0
-        self.log_dir: str | None = None
+        self.logs: RankLogs | None = None
         self._logs: dict[int, bytearray] = {}
-        self._log_files: dict[int, object] = {}
 
     def _keep(self, rank: int, data: bytes) -> None:
         kept = self._logs.setdefault(rank, bytearray())
@@ -67,11 +152,11 @@ class OutputRelay:
             cut = len(kept) - LOG_BYTES_PER_RANK
             newline = kept.find(b"\n", cut)
             del kept[:newline + 1 if 0 <= newline < cut + 4096 else cut]  # from a whole line where one is near
-        if self.log_dir is not None:
-            handle = self._log_files.get(rank)
-            if handle is None:
-                handle = self._log_files[rank] = open(os.path.join(self.log_dir, f"rank{rank}.log"), "ab")
-            handle.write(data)
+        if self.logs is not None:
+            refused = self.logs.write(rank, data)
+            if refused is not None:
+                stream = self._streams["stderr"] or sys.stderr
+                stream.write(f"[ddp_notebook] {refused}\n")
 
     def add_to_log(self, rank: int, text: str) -> None:
         """Keep ``text`` in rank ``rank``'s log without showing it (what the notebook showed of it clipped)."""
@@ -79,8 +164,8 @@ class OutputRelay:
 
     def whole_text_at(self, rank: int) -> str:
         """Where the whole of what the notebook shows clipped of rank ``rank`` is: its log."""
-        if self.log_dir is not None:
-            return f"rank {rank}'s log, {os.path.join(self.log_dir, f'rank{rank}.log')}"
+        if self.logs is not None:
+            return f"rank {rank}'s log, {self.logs.path_of(rank)}"
         return f"rank {rank}'s log, job.logs({rank}) (ddp_notebook.last_job() is the latest job)"
 
     def clipped(self, rank: int, text: str, limit: int) -> str:
@@ -93,11 +178,10 @@ class OutputRelay:
         return bytes(self._logs.get(rank, b"")).decode("utf-8", "replace")
 
     def close_logs(self) -> None:
-        """The job has ended: close the files of ``log_dir``."""
-        for handle in self._log_files.values():
-            handle.close()
-        self._log_files.clear()
-        self.log_dir = None  # (a warm pool's ranks may still print between cells: not into this job's files)
+        """The job has ended: close the files of ``--log-dir``."""
+        if self.logs is not None:
+            self.logs.close()
+        self.logs = None  # (a warm pool's ranks may still print between cells: not into this job's files)
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
         """Lines of a rank; rank -1: lines of the torchrun agent that runs this host's ranks (always shown)."""

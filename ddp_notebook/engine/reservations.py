@@ -30,16 +30,15 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..wire import safe_files
 from ..wire.errors import LaunchError
-from ..wire.safe_files import user_name
 
 DIR_ENV = "DDP_NOTEBOOK_RESERVATIONS"
 DEFAULT_DIR = "/tmp/ddp_notebook-gpus"
 LOCK_SUFFIX = ".lock"
 HELD_MARK = ".held-"  # <uuid>.held-<random>: who holds the GPU, owned and locked by the holder
 STALE_HELD_S = 60.0  # an unlocked holder file of ours this old is a killed process's, removed by the next taker
-# Never follow a link, never wait on a FIFO or a device, never hand the descriptor to a child process.
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_OPEN_FLAGS = safe_files.OPEN_FLAGS  # never through a link, never waiting on a FIFO, never to a child process
 _TRIES = 3
 
 
@@ -94,8 +93,8 @@ def _open_folder(path: str) -> int:
         here = os.sep.join(given[:i])
         st = os.lstat(here)
         if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
-            raise LaunchError(f"GPU reservations: {here} is a symbolic link made by {user_name(st.st_uid)}, not by "
-                              f"root or you ({user_name(me)}); remove it, or set {DIR_ENV} to a folder of your own")
+            raise LaunchError(f"GPU reservations: {here} is a symbolic link made by {safe_files.user_name(st.st_uid)}, not by "
+                              f"root or you ({safe_files.user_name(me)}); remove it, or set {DIR_ENV} to a folder of your own")
     real = os.path.realpath(path)
     parts = real.split(os.sep)
     for i in range(1, len(parts) + 1):
@@ -103,14 +102,14 @@ def _open_folder(path: str) -> int:
         st = os.lstat(here)
         culprit = None
         if st.st_uid not in (0, me):
-            culprit = f"it is owned by {user_name(st.st_uid)}"
+            culprit = f"it is owned by {safe_files.user_name(st.st_uid)}"
         elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             culprit = "other users may write in it and it is not sticky (they could replace its lock files)"
         if culprit is not None:
             what = "the folder of GPU reservations" if here == real else f"{here}, a folder above the GPU " \
                                                                         f"reservations' {real},"
             raise LaunchError(
-                f"GPU reservations: {what} is not trusted: {culprit}, not by root or you ({user_name(me)}). Ask an "
+                f"GPU reservations: {what} is not trusted: {culprit}, not by root or you ({safe_files.user_name(me)}). Ask an "
                 f"administrator to create it for every user (as root: install -d -m 1777 {real}), or set {DIR_ENV} "
                 f"to a folder of your own")
     fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
@@ -147,7 +146,7 @@ class _InTheWay(Exception):
 def _in_the_way(where: _Folder, name: str, why: str = "") -> _InTheWay:
     try:
         st = os.lstat(name, dir_fd=where.fd)
-        user, kind = user_name(st.st_uid), _kind(st.st_mode)
+        user, kind = safe_files.user_name(st.st_uid), _kind(st.st_mode)
     except OSError:
         user, kind = "someone", "file"
     return _InTheWay(Holder(user, 0, "", f"{kind} in place of the lock file {os.path.join(where.path, name)}"
@@ -202,7 +201,7 @@ def _lock(fd: int, how: int) -> bool:
 
 def _whoami() -> Holder:
     what = os.environ.get("JPY_SESSION_NAME") or (sys.argv[0] if sys.argv and sys.argv[0] else "python")
-    return Holder(user=user_name(os.geteuid()), pid=os.getpid(), host=socket.gethostname(), what=os.path.basename(what),
+    return Holder(user=safe_files.user_name(os.geteuid()), pid=os.getpid(), host=socket.gethostname(), what=os.path.basename(what),
                   since=time.time())
 
 
@@ -238,10 +237,10 @@ def _read_holder(fd: int, uid: int) -> Holder:
     """What a holder file says, under the name of the user who owns it (whatever it says)."""
     try:
         said = json.loads(os.pread(fd, 4096, 0).decode())
-        return Holder(user=user_name(uid), pid=int(said["pid"]), host=str(said["host"]), what=str(said["what"]),
+        return Holder(user=safe_files.user_name(uid), pid=int(said["pid"]), host=str(said["host"]), what=str(said["what"]),
                       since=float(said["since"]))
     except (OSError, ValueError, TypeError, KeyError):
-        return Holder(user_name(uid), 0, "", "job starting", time.time())  # being written this moment
+        return Holder(safe_files.user_name(uid), 0, "", "job starting", time.time())  # being written this moment
 
 
 def _flock_holder(fd: int) -> Holder | None:
@@ -447,7 +446,7 @@ class WaitingLine:
                         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                     except BlockingIOError:
                         pid = name.split("-")[2] if name.count("-") >= 2 else "0"
-                        self.ahead = Holder(user_name(st.st_uid), int(pid) if pid.isdigit() else 0, "",
+                        self.ahead = Holder(safe_files.user_name(st.st_uid), int(pid) if pid.isdigit() else 0, "",
                                             "place in the --wait line", st.st_mtime)
                         return False  # an older waiter is still waiting
                 finally:

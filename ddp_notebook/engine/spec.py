@@ -271,20 +271,6 @@ def check_options(port: Any = None, seed: Any = None, timeout: Any = None, start
             raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
 
 
-def prepare_log_dir(log_dir: Any) -> str | None:
-    """``--log-dir``: made if missing; refused before anything starts if it cannot be written."""
-    if log_dir is None:
-        return None
-    path = os.path.abspath(os.fspath(log_dir))
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise LaunchError(f"--log-dir {log_dir}: cannot make it: {exc.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise LaunchError(f"--log-dir {log_dir}: not writable")
-    return path
-
-
 def bind_port(addr: str, port: int | None) -> socket.socket:
     """A listening socket for rank 0's TCPStore: the port is never free for anyone else to take."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -22,7 +22,7 @@ from ..wire import protocol
 from . import dashboard
 from ..wire.errors import Failure, RankError, blame
 from ..engine.job import EventSource
-from ..engine.runfiles import RunFiles, folder_problem, message_of
+from ..engine.runfiles import RunFiles, UntrustedRunFolder, message_of
 from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX, SLURM_RUN_SUFFIX
 
 POLL_S = 0.25
@@ -53,7 +53,8 @@ class FollowedRun(EventSource):
         self.nodes_ended: dict[int, bool] = {}  # node -> its ranks all finished without error
         self.failures: dict[int, Failure] = {}
         self._outcome: tuple[str, Any] | None = None
-        self._files = RunFiles(run_dir)
+        self._files = RunFiles(run_dir)  # the folder opened once, its files read through it
+        self._told_problems = 0
         self._last_line_at = time.monotonic()
         dashboard.install()  # show() draws with the dashboard, however the notebook side was reached
 
@@ -89,13 +90,13 @@ class FollowedRun(EventSource):
         """Read what the files gained; the number of this run's lines taken.  Raises PermissionError for a run
         folder another user owns or may write in (what they wrote there would be shown as the run's)."""
         try:
-            problem = folder_problem(self.run_dir)
-        except FileNotFoundError:
-            return 0  # (not made yet)
-        if problem is not None:
-            raise PermissionError(f"follow(): {problem}: its files are not read; follow a run folder of yours "
-                                  f"(the export's --run-dir) that only you may write in, or a copy of it")
-        records = self._files.new_records()
+            records = self._files.new_records()  # (none while the folder is not made yet)
+        except UntrustedRunFolder as exc:
+            raise PermissionError(f"follow(): {exc}: its files are not read; follow a run folder of yours "
+                                  f"(the export's --run-dir) that only you may write in, or a copy of it") from None
+        for problem in self._files.problems[self._told_problems:]:
+            print(f"ddp_notebook: follow(): {problem}", file=sys.stderr)
+        self._told_problems = len(self._files.problems)
         if self.run_id is None:
             starts = [r for r in records if r.get("event") == protocol.FILE_START]
             if not starts:
@@ -132,6 +133,10 @@ class FollowedRun(EventSource):
         elif event == protocol.FILE_END:
             self.nodes_ended[record["node"]] = bool(record["ok"])
             self.ended_at = max(self.ended_at or 0.0, record["time"])
+
+    def close_files(self) -> None:
+        """Let go of the run folder (a later :meth:`poll` opens it again)."""
+        self._files.close()
 
     def quiet_for(self) -> float:
         return time.monotonic() - self._last_line_at
@@ -196,6 +201,8 @@ def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, cal
     except BaseException:
         run.end(stopped=True)  # the live dashboard's thread ends with its view
         raise
+    finally:
+        run.close_files()
     if run.run_id is None:
         print(f"ddp_notebook: no run has written metrics in {run_dir} yet", file=sys.stderr)
         return run

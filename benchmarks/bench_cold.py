@@ -216,8 +216,20 @@ CHANGED_IN_CELL = {
     "cold `launch()` right after `notebook_launcher` in the same cell":
         "notebook_launcher(tiny_bert_self_init, (), num_processes=2, use_port=str(free_port()))",
     "cold `launch()`, `HF_HOME` (read by transformers at import) changed in the same cell":
-        "os.environ['HF_HOME'] = os.path.expanduser('~/.cache/huggingface-' + str(int(time.time() * 1e6) % 2))",
+        "_changes = globals().get('_changes', 0) + 1\n"
+        "os.environ['HF_HOME'] = os.path.expanduser(f'~/.cache/huggingface-{_changes % 2}')",
+    # the alternative: the same kind of change with fresh ranks, set back untimed (so no template is replaced)
+    "cold `launch()`, the same kind of change, ranks started fresh (template off)":
+        "_saved = os.environ.get('HF_HOME')\nos.environ['HF_HOME'] = os.path.expanduser('~/.cache/huggingface-x')\n"
+        "os.environ['DDP_NOTEBOOK_TEMPLATE'] = '0'",
 }
+SET_BACK = """
+del os.environ['DDP_NOTEBOOK_TEMPLATE']
+if _saved is None:
+    del os.environ['HF_HOME']
+else:
+    os.environ['HF_HOME'] = _saved
+"""
 TIMED_LAUNCH = """
 {change}
 _started = time.perf_counter()
@@ -235,7 +247,9 @@ def changed_environment_kernel(repeats: int) -> tuple[dict[str, list[float]], st
 
         def timed(change: str) -> float:
             took = float(re.search(r"TOOK (\S+)", _cell(kc, TIMED_LAUNCH.format(change=change))[1]).group(1))
-            if "HF_HOME" in change:  # a new template: its preloads must not weigh on the next contender
+            if "DDP_NOTEBOOK_TEMPLATE" in change:
+                _cell(kc, SET_BACK)
+            elif "HF_HOME" in change:  # a new template: its preloads must not weigh on the next contender
                 _cell(kc, SETTLE)
             return took
 
@@ -316,7 +330,9 @@ def main() -> None:
              f"{run._version('torch')}, transformers {run._version('transformers')}, accelerate "
              f"{run._version('accelerate')}. 2 CPU ranks (gloo); contenders alternating, the order rotating every "
              f"round; medians (min–max). `python benchmarks/bench_cold.py --repeats {args.repeats}"
-             f"{' --before PATH' if args.before else ''}`.", ""]
+             f"{' --before PATH' if args.before else ''}"
+             f"{'' if args.only == parser.get_default('only') else ' --only ' + args.only}"
+             f"{'' if args.out == parser.get_default('out') else ' --out ' + args.out}`.", ""]
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as work:
         if "fresh" in only:
             times = fresh_script(args.repeats, work, args.before)
@@ -379,7 +395,9 @@ def main() -> None:
                       "| contender | time | / unchanged |", "|---|---|---|"]
             lines += [f"| {name} | {_ms(v)} | {_ratio(times, name, names[0]):.2f}× |" for name, v in times.items()]
             lines += [""] + [f"- {name} / unchanged: {_verdict(_ratio(times, name, names[0]), 2.0)}"
-                             for name in names[1:3]] + [""]
+                             for name in names[1:3]]
+            lines += [f"- `HF_HOME` changed, waiting for the new template / fresh ranks: "
+                      f"{_ratio(times, names[3], names[4]):.2f}×", ""]
         if "background" in only:
             times, readiness = background(args.background_repeats, args.before)
             name = "`%%ddp --background` right after `%load_ext`"

@@ -49,6 +49,7 @@ def make(rows):
         import pandas as pd
         return pd.DataFrame(x)
     import datasets
+    datasets.disable_progress_bars()
     ds = datasets.Dataset.from_dict({"x": x}).with_format("torch")
     if kind == "hf memory-mapped":
         folder = tempfile.mkdtemp()
@@ -91,22 +92,26 @@ sys.stdin.readline()
 KINDS = ["tensor", "hf memory", "hf memory not shared", "hf memory-mapped", "pandas"]
 
 
-def tree_pss(root: int) -> dict[int, int]:
-    """PSS of ``root`` and each of its descendants, by pid."""
+def tree_pss(root: int) -> dict[int, dict]:
+    """PSS (and its shared-memory part) of ``root`` and each of its descendants, by pid."""
     parts = {}
     for pid in [root, *descendants(root)]:
         found = rollup(pid)
         if found is not None:
-            parts[pid] = found["pss"]
+            parts[pid] = found
     return parts
 
 
+def _total(parts: dict[int, dict], key: str = "pss") -> int:
+    return sum(p.get(key, 0) for p in parts.values())
+
+
 def _mib(parts: dict[int, int]) -> str:
-    return " ".join(f"{pid}:{pss / 2**20:.0f}" for pid, pss in parts.items())
+    return " ".join(f"{pid}:{p['pss'] / 2**20:.0f}" for pid, p in parts.items())
 
 
-def one_run(kind: str, rows: int) -> tuple[int, float]:
-    """(peak PSS growth of the notebook and its descendants, the job's seconds)."""
+def one_run(kind: str, rows: int) -> tuple[int, int, float]:
+    """(peak PSS growth of the notebook and its descendants, the part of it in shared memory, the job's seconds)."""
     env = dict(os.environ)
     if kind.endswith("not shared"):
         env["DDP_NOTEBOOK_SHARE_MIN_BYTES"] = "off"
@@ -118,15 +123,15 @@ def one_run(kind: str, rows: int) -> tuple[int, float]:
         assert line == "ready", line
         time.sleep(1.0)  # the warm-up ranks gone
         base_parts = tree_pss(proc.pid)
-        base = sum(base_parts.values())
+        base = _total(base_parts)
         peak = [base, base_parts]
         stop = threading.Event()
 
         def sample():
             while not stop.is_set():
                 parts = tree_pss(proc.pid)
-                if sum(parts.values()) > peak[0]:
-                    peak[:] = [sum(parts.values()), parts]
+                if _total(parts) > peak[0]:
+                    peak[:] = [_total(parts), parts]
                 time.sleep(INTERVAL_S)
 
         sampler = threading.Thread(target=sample)
@@ -138,7 +143,7 @@ def one_run(kind: str, rows: int) -> tuple[int, float]:
         sampler.join()
         assert words and words[0] == "done", words
         print(f"  before (pid:MiB) {_mib(base_parts)}; at the peak {_mib(peak[1])}", flush=True)
-        return peak[0] - base, float(words[1])
+        return peak[0] - base, _total(peak[1], "shmem") - _total(base_parts, "shmem"), float(words[1])
     finally:
         proc.stdin.close()
         proc.wait(timeout=120)
@@ -152,13 +157,14 @@ def main() -> None:
     args = parser.parse_args()
     kinds = [k for k in KINDS if k in args.only.split(",")]
     size = args.rows * 128 * 4
-    runs: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}
+    runs: dict[str, list[tuple[int, int, float]]] = {k: [] for k in kinds}
     for repeat in range(args.repeats):
         order = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
         for kind in order:
-            growth, seconds = one_run(kind, args.rows)
-            runs[kind].append((growth, seconds))
-            print(f"{kind}: +{growth / 2**20:.0f} MiB ({growth / size:.2f}x the data), {seconds:.2f} s", flush=True)
+            growth, shmem, seconds = one_run(kind, args.rows)
+            runs[kind].append((growth, shmem, seconds))
+            print(f"{kind}: +{growth / 2**20:.0f} MiB ({growth / size:.2f}x the data; shared memory "
+                  f"+{shmem / 2**20:.0f} MiB), {seconds:.2f} s", flush=True)
     lines = [f"## A {size / 2**20:.0f} MiB dataset read by 2 ranks: PSS growth of the notebook, template and ranks",
              "",
              f"`python benchmarks/bench_hfdata.py --repeats {args.repeats} --rows {args.rows}`: {args.rows:,} x 128 "
@@ -167,13 +173,14 @@ def main() -> None:
              "summed, sampled every 20 ms from another process, peak during the job over the total before it; "
              "the job's wall time in the notebook. Medians; contenders alternating.",
              "",
-             "| data | growth (MiB) | × the data | job (s) | runs (MiB) |",
-             "| --- | --- | --- | --- | --- |"]
+             "| data | growth (MiB) | × the data | of which shared memory (MiB) | job (s) | runs (MiB) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for kind, results in runs.items():
-        growth = statistics.median(g for g, _ in results)
-        seconds = statistics.median(s for _, s in results)
-        lines.append(f"| {kind} | {growth / 2**20:.0f} | {growth / size:.2f} | {seconds:.2f} | "
-                     f"{', '.join(f'{g / 2**20:.0f}' for g, _ in results)} |")
+        growth = statistics.median(g for g, _, _ in results)
+        shmem = statistics.median(m for _, m, _ in results)
+        seconds = statistics.median(s for _, _, s in results)
+        lines.append(f"| {kind} | {growth / 2**20:.0f} | {growth / size:.2f} | {shmem / 2**20:.0f} | {seconds:.2f} | "
+                     f"{', '.join(f'{g / 2**20:.0f}' for g, _, _ in results)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS_hfdata.md"), "w") as f:

@@ -6,6 +6,8 @@ process playing the notebook: it builds ``R`` x 128 float32 values (256 MB for t
 
 - ``tensor``: a ``TensorDataset`` of one tensor;
 - ``hf memory``: ``datasets.Dataset.from_dict({"x": x}).with_format("torch")``, in memory (Arrow buffers);
+- ``hf memory, read as Arrow``: the same, the ranks reading the Arrow column itself (``pyarrow.compute``) instead of
+  torch-formatted batches, whose conversions leave glibc heap behind in each rank;
 - ``hf memory not shared``: the same with ``DDP_NOTEBOOK_SHARE_MIN_BYTES=off`` (how every Arrow buffer travelled
   before: pickled into the payload, a copy in every rank);
 - ``hf memory-mapped``: the same saved with ``save_to_disk`` and opened with ``load_from_disk`` (the notebook reads
@@ -38,6 +40,8 @@ import numpy as np, torch, datasets, pandas, ddp_notebook
 from ddp_notebook.engine import template
 
 kind, rows = sys.argv[1], int(sys.argv[2])
+ARROW_READ = kind.endswith("read as Arrow")
+kind = kind.replace(", read as Arrow", "")
 BATCH = 16384
 
 
@@ -68,6 +72,9 @@ def read_all(data):
             batch = data.tensors[0][i:i + BATCH]
         elif isinstance(data, pandas.DataFrame):
             batch = data.iloc[i:i + BATCH].to_numpy()
+        elif ARROW_READ:  # the shared Arrow buffers themselves, no formatting
+            import pyarrow.compute as pc
+            batch = pc.list_flatten(data.data.table.slice(i, BATCH).column("x")).to_numpy()
         else:
             batch = data[i:i + BATCH]["x"]
         total += float(batch.sum())
@@ -89,7 +96,7 @@ print("done", time.perf_counter() - started, flush=True)
 sys.stdin.readline()
 """
 
-KINDS = ["tensor", "hf memory", "hf memory not shared", "hf memory-mapped", "pandas"]
+KINDS = ["tensor", "hf memory", "hf memory, read as Arrow", "hf memory not shared", "hf memory-mapped", "pandas"]
 
 
 def tree_pss(root: int) -> dict[int, dict]:
@@ -153,9 +160,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=500_000)
-    parser.add_argument("--only", default=",".join(KINDS), help="comma-separated kinds")
+    parser.add_argument("--only", default=";".join(KINDS), help="kinds, separated by ';'")
     args = parser.parse_args()
-    kinds = [k for k in KINDS if k in args.only.split(",")]
+    kinds = [k for k in KINDS if k in args.only.split(";")]
     size = args.rows * 128 * 4
     runs: dict[str, list[tuple[int, int, float]]] = {k: [] for k in kinds}
     for repeat in range(args.repeats):

@@ -52,7 +52,8 @@ READY_TIMEOUT_S = 60.0
 # tests/test_template_environment.py reads the torch installed the same way and checks it reads nothing else.
 NATIVE_READ_AT_LOAD = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "OMP_", "GOMP_", "KMP_", "MKL", "DNNL_",
                        "ONEDNN_", "OPENBLAS_", "GOTO_", "GFORTRAN_", "NPY_", "NUMPY_", "KINETO_", "PYTORCH_",
-                       "OPENSSL_", "I_MPI_", "OMPI_", "MPI_", "ACC_DEVICE_", "INTEL_")
+                       "OPENSSL_", "I_MPI_", "OMPI_", "MPI_", "ACC_DEVICE_", "INTEL_",
+                       "JE_")  # (the last: the jemalloc of pyarrow, preloaded for datasets and pandas)
 # libtorch's own, by name: most TORCH_ variables (TORCH_NCCL_*, TORCH_HOME, ...) are read when used.
 TORCH_NATIVE_READ_AT_LOAD = frozenset({
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT",

@@ -285,6 +285,10 @@ def main() -> None:
     stop_watching = _end_when_the_notebook_goes(sock, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook stops it; interrupts are for cells
     os.environ["SPT_NOENV"] = "1"  # setproctitle must leave the environment block (and so /proc/PID/environ) alone
+    # Importing pyarrow (datasets, pandas) starts the background purging thread of the jemalloc built into Arrow,
+    # which would taint the template; without it jemalloc purges as it frees (Arrow allocates from mimalloc anyway).
+    # Read once, when jemalloc starts; a rank takes the notebook's environment all the same.
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     with environment_reads() as read:
         import cloudpickle  # noqa: F401  what every rank imports, once
         import numpy  # noqa: F401

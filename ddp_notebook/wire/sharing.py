@@ -5,7 +5,11 @@ meets.  A ``torch.Tensor`` or ``numpy.ndarray`` of at least
 ``DDP_NOTEBOOK_SHARE_MIN_BYTES`` (1 MiB) becomes a small reference to a shared
 buffer, wherever it sits (a TensorDataset, a dict, a Dataset's attribute, a
 function argument, a model's parameters).  The buffer is written once per dump;
-tensors and views over one storage share one buffer.
+tensors and views over one storage share one buffer.  So does every buffer of that
+size of a pyarrow Table or Array (a Hugging Face ``datasets.Dataset`` in memory, a
+pandas column of Arrow type), and every buffer of at least ``ARROW_PART_MIN_BYTES``
+of one that holds ``min_bytes`` in all: copied once (Arrow's allocator is not
+glibc's, so never moved), wrapped again in the rank without a copy of its own.
 
 * Moved in place: when the data is a heap block of its own (glibc gives every
   large allocation its own mapping), its pages are moved into a memfd, chunk by
@@ -66,6 +70,7 @@ from contextlib import contextmanager
 from typing import Any
 
 DEFAULT_MIN_BYTES = 1 << 20
+ARROW_PART_MIN_BYTES = 4096  # the buffers of an Arrow table or array of at least min_bytes shared down to this size
 _PAGE = mmap.PAGESIZE
 _CHUNK = 16 << 20  # moved per step: the most held twice at any moment, and the GIL held at a time
 _DISK_MARGIN = 256 << 20
@@ -483,12 +488,17 @@ class Store:
         self.bundle = Bundle()
         self.min_bytes = min_bytes()
         torch, np = sys.modules.get("torch"), sys.modules.get("numpy")  # never imported for this
+        arrow = sys.modules.get("pyarrow")
         self._torch = torch
         self._np = np
         self._tensor_type = getattr(torch, "Tensor", None)
         self._array_types = (np.ndarray, np.memmap) if np is not None else ()
+        self._arrow_buffer_type = getattr(arrow, "Buffer", None)
+        self._arrow_containers = tuple(getattr(arrow, name) for name in ("Table", "RecordBatch", "ChunkedArray",
+                                                                         "Array") if hasattr(arrow, name))
+        self._arrow_min_bytes = self.min_bytes  # lowered once a big Arrow table or array is met
         self._enabled = self.min_bytes is not None and (dry or not via_proc or _proc_fds_usable()) \
-            and (torch is not None or np is not None)
+            and (torch is not None or np is not None or arrow is not None)
         self._placed: dict[tuple, tuple | None] = {}
         self._arenas: dict[str, _Arena] = {}
         self._budget: int | None = None
@@ -505,6 +515,11 @@ class Store:
             return self._reduce_tensor(obj)
         if kind in self._array_types:
             return self._reduce_array(obj)
+        if self._arrow_buffer_type is not None:
+            if isinstance(obj, self._arrow_buffer_type):
+                return self._reduce_arrow_buffer(obj)
+            if isinstance(obj, self._arrow_containers):
+                self._note_arrow_container(obj)
         return None
 
     def _reduce_tensor(self, t):
@@ -584,6 +599,30 @@ class Store:
             return None
         ref, offset = placed
         return _rebuild_array, (ref, offset + offset_in, a.dtype, a.shape, strides, bool(a.flags.writeable))
+
+    def _note_arrow_container(self, obj) -> None:
+        """An Arrow table or array is pickled as its buffers, met right after it: when it holds at least
+        ``min_bytes`` in all, share its buffers down to ``ARROW_PART_MIN_BYTES`` (a table of many small record
+        batches, as ``Dataset.map`` writes them, would otherwise be pickled whole, buffer by buffer)."""
+        if self._arrow_min_bytes > ARROW_PART_MIN_BYTES and obj.get_total_buffer_size() >= self.min_bytes:
+            self._arrow_min_bytes = ARROW_PART_MIN_BYTES
+
+    def _reduce_arrow_buffer(self, buf):
+        """An Arrow buffer (of a pyarrow Table or Array: a Hugging Face dataset's, a pandas column's) copied once into
+        shared memory; the rank wraps the mapped bytes in a ``pyarrow.Buffer`` without a copy of its own.
+
+        Arrow's memory belongs to its own allocator (mimalloc or jemalloc), never a glibc block: it is copied, not
+        moved.  Buffers are immutable, so aliases need no care beyond sharing each region once.
+        """
+        nbytes = buf.size
+        if not buf.is_cpu or nbytes < self._arrow_min_bytes:
+            return None
+        addr = buf.address
+        placed = self._place(("cpu", addr, nbytes), addr, nbytes, None)  # the key an array over it would have
+        if placed is None:
+            return None
+        ref, offset = placed
+        return _rebuild_arrow_buffer, (ref, offset, nbytes)
 
     # -- placing bytes -----------------------------------------------------------------------
     def _place(self, key: tuple, addr: int, nbytes: int, owner: Any) -> tuple | None:
@@ -730,7 +769,8 @@ def _numpy_default_allocator(np, root) -> bool:
     block of its own is checked before moving, and the ndarray keeps it alive.
     """
     if not root.flags.owndata:
-        return True
+        # An array over an Arrow buffer (a dataset's column as numpy) is memory of Arrow's allocator: no glibc block.
+        return not type(root.base).__module__.startswith("pyarrow")
     core = getattr(np, "_core", None) or getattr(np, "core", None)
     get_handler = getattr(getattr(core, "multiarray", None), "get_handler_name", None)
     if get_handler is None:
@@ -840,6 +880,12 @@ def on_rank_device(t, device_type: str):
     if device_type != "cpu" and getattr(device, "type", None) == device_type:
         return t.detach().to(device).requires_grad_(t.requires_grad)
     return t
+
+
+def _rebuild_arrow_buffer(ref, offset, nbytes):
+    import pyarrow
+
+    return pyarrow.py_buffer(memoryview(_map(ref))[offset:offset + nbytes])  # the mapped pages themselves
 
 
 def _rebuild_array(ref, offset, dtype, shape, strides, writeable):

@@ -380,6 +380,8 @@ class _XIndex:
     def find(self, x) -> int | None:
         if not self.at or x > self.last:
             return None
+        if x == self.last:
+            return self.at[-1]
         position = self._place(x)
         if position < len(self.at) and self.history._get(self.at[position], self.key) == x:
             return self.at[position]
@@ -401,9 +403,10 @@ class _XIndex:
 class _Point:
     """What has arrived for one x value and not been closed yet."""
 
-    __slots__ = ("ranks", "values", "released", "meta")
+    __slots__ = ("ranks", "values", "released", "meta", "index")
 
     def __init__(self):
+        self.index: int | None = None  # its record in the history, once it has one
         self.ranks: set[int] = set()
         self.values: dict[str, dict[int, tuple[float, float]]] = {}  # name -> rank -> (value, weight)
         self.released: dict[str, int] = {}  # name -> how many ranks' values its record holds
@@ -671,7 +674,7 @@ class Reducer:
                 if not by_rank.keys() >= senders:
                     partial.append(name)
         history = self.history
-        index = self._record_of(key, x)
+        index = point.index if point.index is not None else self._record_of(key, x)
         if index is not None and reduced and self._is_stale(index):  # replayed by a restarted attempt: its
             self._fresh.add(index)                                     # values replace the old
             kept = (key, TOTAL_KEYS.get(key))
@@ -691,7 +694,9 @@ class Reducer:
             where.add(x, index)
             self.counts[key] = self.counts.get(key, 0) + 1
         elif not reduced:
+            point.index = index
             return []
+        point.index = index
         update = {key: x, **point.meta, **reduced}
         earlier = history._get(index, "partial")
         earlier = earlier.split(",") if earlier else []

@@ -32,12 +32,10 @@ STATUS_EVERY_S = 0.25
 MIN_REDRAW_S = 0.5  # two figure redraws a second at most
 # Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (30-200 ms of
 # matplotlib, mostly ticks and labels) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
-# DRAW_BURST_S (about one redraw of a full figure), so the first figure and a figure after a quiet spell (a new
-# epoch) come at once, and a run that changes its curves at every tick (report() every step) redraws every few
-# seconds, not every half second.  The credit starts empty: the first figure is drawn at once anyway, and a job of
-# a few seconds that reports every step is not drawn a dozen times over on credit.
+# DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
+# changes its curves at every tick (report() every step) redraws every few seconds, not every half second.
 DRAW_SHARE = 0.01
-DRAW_BURST_S = 0.25
+DRAW_BURST_S = 1.0
 MAX_STALE_S = 10.0  # but a figure that changed is drawn at least this often, whatever a redraw costs
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
 MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
@@ -483,7 +481,7 @@ class DisplayView:
         self.updates_sent = 0
         self._drawn_version = -1
         self._next_draw = 0.0
-        self._credit = 0.0  # seconds of drawing it may spend now
+        self._credit = DRAW_BURST_S  # seconds of drawing it may spend now
         self._credit_at = time.monotonic()
         self._draw_cost = 0.0  # what the last redraw took
         self._png: str | None = None

@@ -10,8 +10,18 @@
    draws the live dashboard, against the same loop without ``report()``.
    Blocks with and without reporting alternate (ABBA) inside one job, in a real
    Jupyter kernel (nbclient), so the widget dashboard really renders.
+4. ``--mlp``: a 2-layer MLP under DDP on 2 CPU ranks in a real kernel with the
+   extension loaded and the dashboard shown as users have it, ``report()``
+   every step, against the same loop without, as separate jobs that alternate
+   (ABBA): the loop's time ratio and the kernel's CPU while the loop runs
+   (psutil ``cpu_times`` of the kernel, read by rank 0 before and after the
+   loop), medians; then the kernel's memory (PSS and RSS, read from outside,
+   after a warm-up job) over one long reporting run.  ``--package PATH``
+   imports ``ddp_notebook`` from another checkout in the kernel (the code
+   before a change, for a side by side).
 
     .venv/bin/python benchmarks/bench_report.py [--ranks 1 2] [--block-s 2] [--pairs 4]
+    .venv/bin/python benchmarks/bench_report.py --mlp [--mlp-steps 4000] [--mlp-pairs 3] [--long-steps 100000]
 
 Prints a Markdown summary; figures of a run are kept in benchmarks/RESULTS_report.md.
 """
@@ -100,6 +110,133 @@ for pair in range({pairs}):
         blocks["report" if reporting else "plain"].append(block(reporting))
 print("RESULT", json.dumps({{"rank": rank, "steps": steps, "repeats": repeats, "blocks": blocks}}))
 """
+
+
+# The loop of part 4: one job, with or without report() every step.  Rank 0 reads the kernel's CPU time around
+# the loop (the ranks' parent is not always the kernel: its pid is written in).
+MLP = """\
+%%ddp --cpus 2
+import json, time, psutil, torch
+import torch.nn.functional as F
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddp_notebook import report
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+inputs, targets = torch.randn(32, 32), torch.randn(32, 1)
+kernel = psutil.Process({kernel_pid})
+
+def train_step():
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+for _ in range(50):
+    train_step()
+dist.barrier()
+kernel_cpu, started = sum(kernel.cpu_times()[:2]), time.perf_counter()
+for step in range({steps}):
+    loss = train_step()
+    if {reporting}:
+        report(step=step, steps={steps}, loss=loss)
+dist.barrier()
+loop_s, kernel_s = time.perf_counter() - started, sum(kernel.cpu_times()[:2]) - kernel_cpu
+if rank == 0:
+    print("RESULT", json.dumps({{"loop_s": loop_s, "kernel_cpu_s": kernel_s}}))
+"""
+
+KERNEL_FACTS = """\
+import gc, json, ddp_notebook
+gc.collect()
+job = ddp_notebook.last_job()
+print("FACTS", json.dumps({"records": len(job.history), "last": job.history[-1] if len(job.history) else None,
+                           "history_bytes": job.history.__sizeof__()}))
+"""
+
+
+def _memory(pid: int) -> dict:
+    """The process's PSS and RSS, in bytes."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as handle:
+        for line in handle:
+            name, _, rest = line.partition(":")
+            if name in ("Pss", "Rss"):
+                fields[name.lower()] = int(rest.split()[0]) * 1024
+    return fields
+
+
+def mlp_benchmark(args) -> None:
+    """Part 4: the MLP loop with and without report() every step, in a real kernel; then a long run's memory."""
+    from jupyter_client.manager import start_new_kernel
+    from nbrun import run_cell
+
+    path = [args.package or ROOT, os.path.join(ROOT, "tests")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    try:
+        def cell(code: str, timeout: float = 1200) -> str:
+            reply, told = run_cell(kc, code, timeout=timeout)
+            if reply["status"] != "ok":
+                raise SystemExit(told)
+            return told
+
+        def printed(told: str, tag: str) -> dict:
+            for line in told.splitlines():
+                line = re.sub(r"^\[rank \d+\] ", "", line)
+                if line.startswith(tag + " "):
+                    return json.loads(line[len(tag) + 1:])
+            raise SystemExit(f"no {tag} in {told[-2000:]}")
+
+        cell("%load_ext ddp_notebook")
+        kernel_pid = int(cell("import os, ddp_notebook; print(os.getpid(), ddp_notebook.__file__)").split()[0])
+        print(f"kernel {kernel_pid}: ddp_notebook from {args.package or ROOT}\n")
+        runs = {False: [], True: []}
+        cell(MLP.format(kernel_pid=kernel_pid, steps=500, reporting=True))  # warm-up: imports, matplotlib
+        for pair in range(args.mlp_pairs):
+            for reporting in ((False, True, True, False) if pair % 2 == 0 else (True, False, False, True)):
+                result = printed(cell(MLP.format(kernel_pid=kernel_pid, steps=args.mlp_steps,
+                                                 reporting=reporting)), "RESULT")
+                runs[reporting].append(result)
+                print(f"  {'report' if reporting else 'plain '}: loop {result['loop_s']:.2f} s, "
+                      f"kernel CPU {result['kernel_cpu_s']:.3f} s", flush=True)
+        plain = statistics.median(r["loop_s"] for r in runs[False])
+        reporting = statistics.median(r["loop_s"] for r in runs[True])
+        ratios = [b["loop_s"] / a["loop_s"] for a, b in zip(runs[False], runs[True])]
+        share = statistics.median(r["kernel_cpu_s"] / r["loop_s"] for r in runs[True])
+        floor = statistics.median(r["kernel_cpu_s"] / r["loop_s"] for r in runs[False])
+        print(f"\n## 2-layer MLP, DDP on 2 CPU ranks, {args.mlp_steps:,} steps a job, report() every step against "
+              f"none\n")
+        print("| | loop, median | kernel CPU during the loop (% of a core), median |")
+        print("|---|---|---|")
+        print(f"| without report() | {plain:.2f} s | {floor * 100:.2f}% |")
+        print(f"| report() every step | {reporting:.2f} s | {share * 100:.2f}% |")
+        print(f"\nloop time ratio: {reporting / plain:.3f} (medians); per alternated pair: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)}; {len(runs[True])} jobs each, "
+              f"{args.mlp_steps / plain * 2:,.0f} reports/s over both ranks")
+
+        if args.long_steps:
+            cell("import gc; gc.collect()")
+            before = _memory(kernel_pid)
+            result = printed(cell(MLP.format(kernel_pid=kernel_pid, steps=args.long_steps, reporting=True),
+                                  timeout=3600), "RESULT")
+            facts = printed(cell(KERNEL_FACTS), "FACTS")
+            after = _memory(kernel_pid)
+            print(f"\n## One long run: {args.long_steps:,} steps reporting every step "
+                  f"({result['loop_s']:.0f} s, kernel CPU {result['kernel_cpu_s'] / result['loop_s'] * 100:.2f}% "
+                  f"of a core)\n")
+            print(f"- kernel PSS {before['pss'] / 2**20:.1f} → {after['pss'] / 2**20:.1f} MiB "
+                  f"(+{(after['pss'] - before['pss']) / 2**20:.1f} MiB), RSS {before['rss'] / 2**20:.1f} → "
+                  f"{after['rss'] / 2**20:.1f} MiB (+{(after['rss'] - before['rss']) / 2**20:.1f} MiB)")
+            print(f"- the history: {facts['records']:,} records, last {facts['last']}; "
+                  f"its columns {facts['history_bytes'] / 2**20:.2f} MiB (History.__sizeof__; a list's is its "
+                  f"pointers alone)")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def _results(cell, tag="RESULT"):
@@ -203,7 +340,16 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--block-s", type=float, default=2.0)
     parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--mlp", action="store_true", help="part 4 alone: the MLP loop in a kernel, and memory")
+    parser.add_argument("--mlp-steps", type=int, default=4000)
+    parser.add_argument("--mlp-pairs", type=int, default=3)
+    parser.add_argument("--long-steps", type=int, default=100_000, help="0: no long run")
+    parser.add_argument("--package", help="import ddp_notebook from this checkout in the kernel (part 4)")
     args = parser.parse_args()
+    if args.mlp:
+        print(f"machine: {machine()}\n")
+        mlp_benchmark(args)
+        return
 
     print(f"machine: {machine()}\n")
     cells = ["%load_ext ddp_notebook", PER_CALL]

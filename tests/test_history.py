@@ -259,3 +259,155 @@ def test_what_a_failed_attempt_left_unfinished_and_the_new_one_skips_is_kept_as_
         reducer.add(rank, {"key": "epoch", "x": 2, "values": {"loss": 2.0}})
     assert [(r["epoch"], r["loss"], r.get("partial")) for r in reducer.history] == \
         [(0, 10.0, None), (1, 11.0, "loss"), (2, 2.0, None)]
+
+
+def _exact(value):
+    """A value in a form where equal means the same number of the same type (nan equal to nan, -0.0 not 0.0)."""
+    if isinstance(value, dict):
+        return sorted((k, _exact(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_exact(v) for v in value]
+    return (type(value).__name__, repr(value))
+
+
+_X_POOL = [0, 1, 2, 3, 5, 8, 2.5, 7.25, 2 ** 60, 2 ** 60 + 1, 2 ** 64 + 3]  # 2**60 and 2**60+1: one float
+_VALUES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2 ** 70, 2 ** 70),
+                    st.integers(-5, 5))
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=100, deadline=None)
+@given(world=st.integers(1, 3), data=st.data())
+def test_what_users_read_back_is_what_ranks_reported_element_for_element(world, data):
+    """Generated report streams (two x keys, ranks reporting some metrics, ints huge and small, floats with nan,
+    inf and -0.0, weights, sums, totals, epochs on steps), interleaved at random: the history holds one record per
+    x reported, each rank's own values exactly as sent, the reduction of exactly those, partial markers exactly where
+    a rank that reports a metric is missing, and the reporters; read back by index, slice, iteration, json and
+    pickle alike."""
+    import json
+    import pickle
+
+    names = ["loss", "acc", "samples"]
+    summed = set(data.draw(st.sets(st.sampled_from(names), max_size=1)))
+    keys = data.draw(st.sets(st.sampled_from(["step", "epoch"]), min_size=1))
+    totals = {key: data.draw(st.one_of(st.none(), st.integers(1, 10 ** 6))) for key in keys}
+    streams = {}  # rank -> its reports, in its order
+    sent = {}  # (key, x) -> rank -> (values, n)
+    for rank in range(world):
+        reports = []
+        for key in sorted(keys):
+            mine = data.draw(st.sets(st.sampled_from(names), min_size=1))  # what this rank reports with key
+            xs = sorted(data.draw(st.sets(st.sampled_from(_X_POOL), max_size=5)))
+            for position, x in enumerate(xs):
+                # its first report of a key names all it will report with it (so who reports what is known before
+                # any x can be released without a rank); later ones may leave some out
+                chosen = mine if position == 0 else data.draw(st.sets(st.sampled_from(sorted(mine)), min_size=1))
+                values = {name: data.draw(_VALUES) for name in sorted(chosen)}
+                n = data.draw(st.one_of(st.none(), st.integers(0, 3)))
+                body = metric(x, key=key, n=n, total=totals[key], sums=sorted(summed & set(values)), **values)
+                if key == "step" and data.draw(st.booleans()):
+                    body["epoch"] = 7
+                reports.append(body)
+                sent.setdefault((key, x), {})[rank] = (values, n, "epoch" in body)
+        # each key's reports in x order; the keys interleaved at random
+        by_key = {key: [b for b in reports if b["key"] == key] for key in keys}
+        ordered = []
+        while any(by_key.values()):
+            key = data.draw(st.sampled_from(sorted(k for k, v in by_key.items() if v)))
+            ordered.append(by_key[key].pop(0))
+        streams[rank] = ordered
+
+    reducer = Reducer(world, clock=Clock())
+    pending = {rank: list(reports) for rank, reports in streams.items() if reports}
+    while pending:  # the ranks' reports interleaved at random, each rank's in its order
+        rank = data.draw(st.sampled_from(sorted(pending)))
+        reducer.add(rank, pending[rank].pop(0))
+        if not pending[rank]:
+            del pending[rank]
+    reducer.finish()
+    history = reducer.history
+
+    senders = {}  # (key, name) -> the ranks that ever reported it
+    for (key, _), by_rank in sent.items():
+        for rank, (values, _, _) in by_rank.items():
+            for name in values:
+                senders.setdefault((key, name), set()).add(rank)
+    expected, expected_own = {}, {}
+    for (key, x), by_rank in sent.items():
+        record = {key: x}
+        if totals[key] is not None:
+            record[{"step": "steps", "epoch": "epochs"}[key]] = totals[key]
+        if any(carried for _, _, carried in by_rank.values()):
+            record["epoch"] = 7
+        own, partial = {}, []
+        for name in names:
+            ranks = sorted(rank for rank, (values, _, _) in by_rank.items() if name in values)
+            if not ranks:
+                continue
+            own[name] = {rank: by_rank[rank][0][name] for rank in ranks}
+            pairs = [(by_rank[rank][0][name], 1.0 if by_rank[rank][1] is None else float(by_rank[rank][1]))
+                     for rank in ranks]
+            if name in summed:
+                record[name] = sum(value for value, _ in pairs)
+            elif sum(weight for _, weight in pairs) == 0:
+                record[name] = sum(value for value, _ in pairs) / len(pairs)
+            else:
+                record[name] = sum(value * weight for value, weight in pairs) / sum(weight for _, weight in pairs)
+            if not set(ranks) >= senders[(key, name)]:
+                partial.append(name)
+        if partial:
+            record["partial"] = sorted(partial)
+        expected[(key, x)], expected_own[(key, x)] = record, own
+
+    records = list(history)
+    assert len(records) == len(history) == len(history.by_rank) == len(expected)
+    got = {}
+    for index, record in enumerate(records):
+        ident = next((key, record[key]) for key in ("step", "epoch") if key in record and (
+            key, record[key]) in expected and not (key == "epoch" and "step" in record))
+        assert ident not in got  # one record per x
+        record = dict(record)
+        if "partial" in record:
+            record["partial"] = sorted(record["partial"].split(","))
+        got[ident] = (record, history.by_rank[index])
+        assert _exact(history[index]) == _exact(records[index]) == _exact(history[index - len(history)])
+    assert _exact({k: v[0] for k, v in got.items()}) == _exact(expected)
+    assert _exact({k: v[1] for k, v in got.items()}) == _exact(expected_own)
+    assert history.reporters == {name: sorted(ranks) for name in names
+                                 if (ranks := set().union(*(senders.get((key, name), set()) for key in keys)))
+                                 and len(ranks) < world}
+    assert reducer.notices == []
+    assert _exact(history[1:]) == _exact(records[1:]) and _exact(list(reversed(history))) == _exact(records[::-1])
+    assert json.dumps(history) == json.dumps(records)
+    again = pickle.loads(pickle.dumps(history))
+    assert _exact(list(again)) == _exact(records) and _exact(list(again.by_rank)) == _exact(list(history.by_rank))
+    assert again.reporters == history.reporters
+
+
+def test_a_history_reads_as_a_list_and_is_filled_by_the_job_alone():
+    history = History([{"epoch": 1, "loss": 1.5}, {"epoch": 2, "loss": 1.25, "partial": "loss"}])
+    assert isinstance(history, list) and history == [{"epoch": 1, "loss": 1.5},
+                                                     {"epoch": 2, "loss": 1.25, "partial": "loss"}]
+    assert [{"epoch": 1, "loss": 1.5}] != history and history[-1]["epoch"] == 2 and history[:1] == [history[0]]
+    assert repr(history) == "[{'epoch': 1, 'loss': 1.5}, {'epoch': 2, 'loss': 1.25, 'partial': 'loss'}]"
+    assert {"epoch": 1, "loss": 1.5} in history and history.index({"epoch": 2, "loss": 1.25, "partial": "loss"}) == 1
+    history[0]["loss"] = 9.0  # a record read is a copy
+    assert history[0]["loss"] == 1.5
+    with pytest.raises(TypeError, match="filled by the job alone"):
+        history.append({"epoch": 3})
+    with pytest.raises(IndexError):
+        history[2]
+
+
+def test_a_long_history_is_kept_in_columns():
+    reducer = Reducer(2)
+    steps = 20_000
+    for step in range(steps):
+        for rank in (0, 1):
+            reducer.add(rank, metric(step, key="step", total=steps, loss=1.0 / (step + 1) + rank, acc=0.5))
+    history = reducer.history
+    assert len(history) == steps and history[12_345] == {"step": 12_345, "steps": steps, "acc": 0.5,
+                                                          "loss": 1.0 / 12_346 + 0.5}
+    assert history.by_rank[-1] == {"loss": {0: 1.0 / steps, 1: 1.0 / steps + 1}, "acc": {0: 0.5, 1: 0.5}}
+    # step, steps, loss, acc and 2 x 2 ranks' own values: 9 bytes each, plus 8 bytes of shapes and 4 of index
+    assert history.__sizeof__() < 100 * steps

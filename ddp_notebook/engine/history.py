@@ -14,53 +14,399 @@ its reporters from there on (the reducer says so once in ``notices``: the
 values before were reduced without it).  What is still held back when every
 reporter has moved past that x, or when the job ends, is released with what
 arrived, and the record names it under ``"partial"`` when a reporter is missing.
+
+The history of a long run (``report()`` every step for hours) is kept in
+columns, about 9 bytes per value, not as a dict per record (about 1 kB each
+with the ranks' own values): a record is made when it is read.
 """
 from __future__ import annotations
 
 import csv
 import time
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from ..wire.protocol import TOTAL_KEYS
 
 SETTLE_S = 2.0  # how long a metric waits for ranks that never reported it before it is reduced without them
 
+_ABSENT, _FLOAT, _INT, _TEXT, _OTHER = range(5)  # how a column holds one record's value
+_EXACT_INT = 2 ** 53  # ints up to this size are exact as floats
+
+
+class _Column:
+    """One field's values over the records: a float each (8 bytes) and how to read it back (1 byte).
+
+    Floats are kept as they are (nan, -0.0 included), ints up to 2**53 as floats read back as ints, strings as
+    a code into the column's own list of them (``partial`` repeats a few names), anything else as itself.
+    """
+
+    __slots__ = ("values", "kinds", "texts", "text_codes", "others")
+
+    def __init__(self):
+        self.values = array("d")
+        self.kinds = bytearray()
+        self.texts: list[str] = []
+        self.text_codes: dict[str, int] = {}
+        self.others: dict[int, Any] = {}
+
+    def set(self, index: int, value: Any) -> None:
+        kinds = self.kinds
+        if index >= len(kinds):  # records added since this column was last set hold nothing in it
+            missing = index + 1 - len(kinds)
+            kinds.extend(bytes(missing))
+            self.values.frombytes(bytes(8 * missing))
+        elif kinds[index] == _OTHER:
+            del self.others[index]
+        kind = type(value)
+        if kind is float:
+            self.values[index] = value
+            kinds[index] = _FLOAT
+        elif kind is int and -_EXACT_INT <= value <= _EXACT_INT:
+            self.values[index] = value
+            kinds[index] = _INT
+        elif kind is str:
+            code = self.text_codes.get(value)
+            if code is None:
+                code = self.text_codes[value] = len(self.texts)
+                self.texts.append(value)
+            self.values[index] = code
+            kinds[index] = _TEXT
+        else:  # huge ints, bools, anything a history was built from
+            self.others[index] = value
+            kinds[index] = _OTHER
+
+    def get(self, index: int) -> Any:
+        kind = self.kinds[index]
+        if kind == _FLOAT:
+            return self.values[index]
+        if kind == _INT:
+            return int(self.values[index])
+        if kind == _TEXT:
+            return self.texts[int(self.values[index])]
+        return self.others[index]
+
+    def forget(self, index: int) -> None:
+        if index < len(self.kinds):
+            if self.kinds[index] == _OTHER:
+                del self.others[index]
+            self.kinds[index] = _ABSENT
+
+
+class _Layouts:
+    """The distinct shapes of the records (their fields, in order), each named by a small code.
+
+    A record stores its shape's code (4 bytes) and its values in the columns; a run has a handful of shapes.
+    """
+
+    def __init__(self):
+        self.shapes: list[tuple] = [()]
+        self.codes: dict[tuple, int] = {(): 0}
+        self.of = array("I")  # record -> its shape's code
+        self._grown: dict[tuple[int, tuple], int] = {}  # (code, fields set) -> the code after setting them
+
+    def code(self, shape: tuple) -> int:
+        code = self.codes.get(shape)
+        if code is None:
+            code = self.codes[shape] = len(self.shapes)
+            self.shapes.append(shape)
+        return code
+
+    def grown(self, code: int, fields: tuple) -> int:
+        """The shape after setting ``fields`` (dict.update's order: the new ones at the end)."""
+        ident = (code, fields)
+        grown = self._grown.get(ident)
+        if grown is None:
+            shape = self.shapes[code]
+            grown = self._grown[ident] = self.code(shape + tuple(f for f in fields if f not in shape))
+        return grown
+
+
+class ByRank(Sequence):
+    """``history.by_rank``: each rank's own values behind each record, before reduction.
+
+    ``by_rank[i]`` is ``{name: {rank: value}}`` for record ``i``, made when read.
+    """
+
+    def __init__(self, history: "History"):
+        self._history = history
+
+    def __len__(self) -> int:
+        return len(self._history)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._history._own(i) for i in range(*index.indices(len(self)))]
+        return self._history._own(_position(index, len(self)))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (ByRank, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def _position(index, length: int) -> int:
+    index = index.__index__()
+    if index < 0:
+        index += length
+    if not 0 <= index < length:
+        raise IndexError("history index out of range")
+    return index
+
+
+def _read_only(name: str):
+    def refuse(self, *args, **kwargs):
+        raise TypeError(f"History.{name}(): a job's history is filled by the job alone; "
+                        f"list(job.history) is a list of its records to change")
+    refuse.__name__ = name
+    return refuse
+
 
 class History(list):
     """The reduced records of a job, one dict per x value, in the order they were completed.
+
+    It reads as a list of dicts (index, slice, iterate, ``len``, compare with a list, ``json.dumps``,
+    ``pandas.DataFrame(history)``); each record is made when read, from columns that hold a long run compactly,
+    so changing a record read from it changes nothing, and the history itself is filled by the job alone.
 
     ``by_rank[i]`` holds each rank's own values behind record ``i``, before reduction:
     ``{name: {rank: value}}``.  ``reporters`` names the metrics that only some ranks report, with those ranks
     (``{"loss": [0]}`` for ``if rank == 0: report(loss=...)``): their values are reduced over those ranks alone.
     ``attempts`` lists the attempts that failed and were restarted (``--max-restarts``): ``{"attempt", "cause",
-    "at"}`` with ``at`` the x values reached (``{"epoch": 3}``).
-    A restarted attempt's records replace the failed attempt's for the x values it replays.
+    "at"}`` with ``at`` the x values reached (``{"epoch": 3}``).  A restarted attempt's records replace the
+    failed attempt's for the x values it replays.
     """
 
-    def __init__(self, *records):
-        super().__init__(*records)
-        self.by_rank: list[dict[str, dict[int, float]]] = [{} for _ in self]
+    def __init__(self, records=()):
+        super().__init__()
+        self._count = 0
+        self._columns: dict[str, _Column] = {}
+        self._layouts = _Layouts()
+        self._own_columns: dict[tuple[str, int], _Column] = {}
+        self._own_layouts = _Layouts()  # shapes of by_rank: ((name, (rank, ...)), ...)
+        self.by_rank = ByRank(self)
         self.attempts: list[dict] = []
         self.reporters: dict[str, list[int]] = {}
+        for record in records:
+            self._update(self._append(), record)
+
+    # -- reading: a list of dicts -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._record(i) for i in range(*index.indices(self._count))]
+        return self._record(_position(index, self._count))
+
+    def __iter__(self):
+        for index in range(self._count):
+            yield self._record(index)
+
+    def __reversed__(self):
+        for index in range(self._count - 1, -1, -1):
+            yield self._record(index)
+
+    def __contains__(self, record) -> bool:
+        return any(mine == record for mine in self)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __ne__(self, other) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self)
+
+    def __mul__(self, times: int) -> list:
+        return list(self) * times
+
+    __rmul__ = __mul__
+
+    def __reduce__(self):
+        return _rebuild, (list(self), list(self.by_rank), self.attempts, self.reporters)
+
+    def __sizeof__(self) -> int:
+        columns = list(self._columns.values()) + list(self._own_columns.values())
+        return (object.__sizeof__(self) + self._layouts.of.buffer_info()[1] * 4
+                + self._own_layouts.of.buffer_info()[1] * 4
+                + sum(c.values.buffer_info()[1] * 8 + len(c.kinds) for c in columns))
+
+    def copy(self) -> list:
+        """The records as a plain list of dicts."""
+        return list(self)
+
+    def index(self, record, start: int = 0, stop: int | None = None) -> int:
+        for position in range(*slice(start, stop).indices(self._count)):
+            if self._record(position) == record:
+                return position
+        raise ValueError("record is not in the history")
+
+    def count(self, record) -> int:
+        return sum(1 for mine in self if mine == record)
+
+    append, extend, insert = _read_only("append"), _read_only("extend"), _read_only("insert")
+    pop, remove, clear = _read_only("pop"), _read_only("remove"), _read_only("clear")
+    sort, reverse = _read_only("sort"), _read_only("reverse")
+    __setitem__, __delitem__ = _read_only("__setitem__"), _read_only("__delitem__")
+    __iadd__, __imul__ = _read_only("__iadd__"), _read_only("__imul__")
 
     def to_csv(self, path: str) -> None:
         """Write the records as CSV, one column per key ever seen (empty where a record lacks it)."""
         columns: dict[str, None] = {}
-        for record in self:
-            columns.update(dict.fromkeys(record))
+        for shape in self._layouts.shapes:
+            columns.update(dict.fromkeys(shape))
         with open(path, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(columns))
             writer.writeheader()
             writer.writerows(self)
 
+    def _record(self, index: int) -> dict:
+        columns = self._columns
+        return {name: columns[name].get(index) for name in self._layouts.shapes[self._layouts.of[index]]}
+
+    def _own(self, index: int) -> dict[str, dict[int, Any]]:
+        columns = self._own_columns
+        return {name: {rank: columns[(name, rank)].get(index) for rank in ranks}
+                for name, ranks in self._own_layouts.shapes[self._own_layouts.of[index]]}
+
+    # -- writing: the reducer's ---------------------------------------------------------------------------------
+    def _append(self) -> int:
+        """A new, empty record at the end; its index."""
+        self._layouts.of.append(0)
+        self._own_layouts.of.append(0)
+        self._count += 1
+        return self._count - 1
+
+    def _fields(self, index: int) -> tuple:
+        return self._layouts.shapes[self._layouts.of[index]]
+
+    def _get(self, index: int, name: str, default=None):
+        return self._columns[name].get(index) if name in self._fields(index) else default
+
+    def _update(self, index: int, values: dict) -> None:
+        """``record.update(values)``."""
+        layouts = self._layouts
+        layouts.of[index] = layouts.grown(layouts.of[index], tuple(values))
+        columns = self._columns
+        for name, value in values.items():
+            column = columns.get(name)
+            if column is None:
+                column = columns[name] = _Column()
+            column.set(index, value)
+
+    def _remove(self, index: int, names) -> None:
+        """``del record[name]`` for each of ``names`` it holds."""
+        shape = self._fields(index)
+        gone = [name for name in shape if name in names]
+        for name in gone:
+            self._columns[name].forget(index)
+        if gone:
+            self._layouts.of[index] = self._layouts.code(tuple(name for name in shape if name not in gone))
+
+    def _update_own(self, index: int, own: dict[str, dict[int, Any]]) -> None:
+        """``by_rank[index].update(own)``: each name's ranks and values replace the ones it had."""
+        if not own:
+            return
+        layouts = self._own_layouts
+        shape = dict(layouts.shapes[layouts.of[index]])
+        columns = self._own_columns
+        for name, by_rank in own.items():
+            shape[name] = tuple(by_rank)
+            for rank, value in by_rank.items():
+                column = columns.get((name, rank))
+                if column is None:
+                    column = columns[(name, rank)] = _Column()
+                column.set(index, value)
+        layouts.of[index] = layouts.code(tuple(shape.items()))
+
+    def _clear_own(self, index: int) -> None:
+        for name, ranks in self._own_layouts.shapes[self._own_layouts.of[index]]:
+            for rank in ranks:
+                self._own_columns[(name, rank)].forget(index)
+        self._own_layouts.of[index] = 0
+
+
+def _rebuild(records, by_rank, attempts, reporters) -> History:
+    history = History(records)
+    for index, own in enumerate(by_rank):
+        history._update_own(index, own)
+    history.attempts, history.reporters = attempts, reporters
+    return history
+
+
+class _XIndex:
+    """Which record holds each x value of one key: their indices, sorted by x (4 bytes a record).
+
+    Reports mostly come with a new x past all others: that case is one comparison.
+    """
+
+    __slots__ = ("at", "last", "history", "key")
+
+    def __init__(self, history: History, key: str):
+        self.at = array("I")
+        self.last: Any = None  # the highest x
+        self.history, self.key = history, key
+
+    def _place(self, x) -> int:
+        """Where x belongs in ``at`` (before the records of equal x)."""
+        at, history, key = self.at, self.history, self.key
+        low, high = 0, len(at)
+        while low < high:
+            middle = (low + high) // 2
+            if history._get(at[middle], key) < x:
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    def find(self, x) -> int | None:
+        if not self.at or x > self.last:
+            return None
+        if x == self.last:
+            return self.at[-1]
+        position = self._place(x)
+        if position < len(self.at) and self.history._get(self.at[position], self.key) == x:
+            return self.at[position]
+        return None
+
+    def add(self, x, index: int) -> None:
+        if not self.at or x > self.last:
+            self.at.append(index)
+            self.last = x
+        else:
+            self.at.insert(self._place(x), index)
+
+    def highest(self):
+        """The highest x that has a record (None without any)."""
+        return self.last
+
+
 
 class _Point:
     """What has arrived for one x value and not been closed yet."""
 
-    __slots__ = ("ranks", "values", "released", "meta")
+    __slots__ = ("ranks", "values", "released", "meta", "index")
 
     def __init__(self):
+        self.index: int | None = None  # its record in the history, once it has one
         self.ranks: set[int] = set()
         self.values: dict[str, dict[int, tuple[float, float]]] = {}  # name -> rank -> (value, weight)
         self.released: dict[str, int] = {}  # name -> how many ranks' values its record holds
@@ -92,9 +438,9 @@ class Reducer:
         self._all = frozenset(range(world_size))
         self._pending: dict[str, OrderedDict] = {}  # x key -> x -> _Point
         self._latest: dict[str, dict[int, float]] = {}  # x key -> rank -> highest x it reported
-        self._records: dict[tuple[str, float], dict] = {}  # (x key, x) -> its record in history
-        self._own: dict[tuple[str, float], dict] = {}  # (x key, x) -> its ranks' own values (history.by_rank)
-        self._stale: set[tuple[str, float]] = set()  # records of a failed attempt, replaced when replayed
+        self._where: dict[str, _XIndex] = {}  # x key -> which record holds each x
+        self._stale_below = 0  # the records before this index are a failed attempt's, replaced when replayed...
+        self._fresh: set[int] = set()  # ...except these, replayed or kept since
         self._orphans: dict[str, dict[float, _Point]] = {}  # x key -> x -> what a failed attempt left unfinished
         self._senders: dict[tuple[str, str], set[int]] = {}  # (x key, name) -> the ranks that reported it so far
         self._names: dict[str, list[str]] = {}  # x key -> the names reported with it
@@ -118,14 +464,15 @@ class Reducer:
         point = pending.get(x)
         values = body["values"]
         if point is None:
-            record = self._records.get((key, x))
-            if record is not None and (key, x) not in self._stale:
-                late = [name for name in values if name in record]
+            index = self._record_of(key, x)
+            if index is not None and not self._is_stale(index):
+                fields = self.history._fields(index)
+                late = [name for name in values if name in fields]
                 if late:  # that x was closed without this rank: its record stands
                     self._tell(late[0], f"rank {rank}'s {', '.join(late)} for {key} {x} arrived after that {key} "
                                         f"was complete without it and {'was' if len(late) == 1 else 'were'} "
                                         f"left out")
-                    values = {name: value for name, value in values.items() if name not in record}
+                    values = {name: value for name, value in values.items() if name not in fields}
             point = pending[x] = _Point()
         point.ranks.add(rank)
         weight = 1.0 if body.get("n") is None else float(body["n"])
@@ -172,9 +519,7 @@ class Reducer:
     def _label(self, name: str) -> None:
         ranks = set().union(*(self._senders[(key, name)] for key in self._names
                               if (key, name) in self._settled))
-        reporters = getattr(self.history, "reporters", None)  # a History's (a plain list has none)
-        if reporters is None:
-            return
+        reporters = self.history.reporters
         if len(ranks) < self.world_size:
             reporters[name] = sorted(ranks)
         else:
@@ -241,8 +586,9 @@ class Reducer:
         """Per x key, where the ranks were: one past the highest x any rank reported (the one under way)."""
         reached = {}
         for key, latest in self._latest.items():
-            seen = [x for (k, x) in self._records if k == key] + list(latest.values())
-            reached[key] = max(seen) + 1
+            where = self._where.get(key)
+            highest = where.highest() if where is not None else None
+            reached[key] = max(list(latest.values()) + ([] if highest is None else [highest])) + 1
         return reached
 
     def new_attempt(self) -> None:
@@ -253,7 +599,7 @@ class Reducer:
             self._orphans.setdefault(key, {}).update(pending)
             pending.clear()
         self._latest.clear()
-        self._stale = set(self._records)
+        self._stale_below, self._fresh = len(self.history), set()
 
     def _settle_orphans(self, key: str, x: float) -> list[dict]:
         orphans = self._orphans.get(key)
@@ -265,7 +611,7 @@ class Reducer:
                 if old_x == x:
                     del orphans[old_x]  # replayed: the new attempt's values will stand
                 break
-            self._stale.discard((key, old_x))  # not replayed: what the failed attempt reduced of it stays
+            self._unstale(key, old_x)  # not replayed: what the failed attempt reduced of it stays
             updates += self._release(key, old_x, orphans.pop(old_x), final=True)
         return updates
 
@@ -274,7 +620,7 @@ class Reducer:
         updates = self.settle(float("inf"))
         for key, orphans in self._orphans.items():
             for x in sorted(orphans):
-                self._stale.discard((key, x))
+                self._unstale(key, x)
                 updates += self._release(key, x, orphans[x], final=True)
             orphans.clear()
         for key, pending in self._pending.items():
@@ -282,6 +628,19 @@ class Reducer:
                 updates += self._release(key, x, pending[x], final=True)
             pending.clear()
         return updates
+
+    def _record_of(self, key: str, x) -> int | None:
+        """The index of the record of that x, None if it has none yet."""
+        where = self._where.get(key)
+        return where.find(x) if where is not None else None
+
+    def _is_stale(self, index: int) -> bool:
+        return index < self._stale_below and index not in self._fresh
+
+    def _unstale(self, key: str, x) -> None:
+        index = self._record_of(key, x)
+        if index is not None and self._is_stale(index):
+            self._fresh.add(index)
 
     def _reduce(self, name: str, by_rank: dict[int, tuple[float, float]]) -> float:
         pairs = [by_rank[r] for r in sorted(by_rank)]
@@ -314,36 +673,41 @@ class Reducer:
                 point.released[name] = len(by_rank)
                 if not by_rank.keys() >= senders:
                     partial.append(name)
-        record = self._records.get((key, x))
-        if (key, x) in self._stale and reduced:  # replayed by a restarted attempt: its values replace the old
-            self._stale.discard((key, x))
-            for name in [n for n in record if n not in (key, TOTAL_KEYS.get(key))]:
-                del record[name]
-            self._own[(key, x)].clear()
-        if record is None:
+        history = self.history
+        index = point.index if point.index is not None else self._record_of(key, x)
+        if index is not None and reduced and self._is_stale(index):  # replayed by a restarted attempt: its
+            self._fresh.add(index)                                     # values replace the old
+            kept = (key, TOTAL_KEYS.get(key))
+            history._remove(index, [name for name in history._fields(index) if name not in kept])
+            history._clear_own(index)
+        if index is None:
             if not (reduced or final or (not point.values and point.ranks >= self._key_ranks(key))):
                 return []
             record = {key: x}
             if key in self.totals:
                 record[TOTAL_KEYS[key]] = self.totals[key]
-            self._records[(key, x)] = record
-            self.history.append(record)
-            self._own[(key, x)] = {}
-            if isinstance(self.history, History):
-                self.history.by_rank.append(self._own[(key, x)])
+            index = history._append()
+            history._update(index, record)
+            where = self._where.get(key)
+            if where is None:
+                where = self._where[key] = _XIndex(history, key)
+            where.add(x, index)
             self.counts[key] = self.counts.get(key, 0) + 1
         elif not reduced:
+            point.index = index
             return []
+        point.index = index
         update = {key: x, **point.meta, **reduced}
-        earlier = record["partial"].split(",") if record.get("partial") else []
+        earlier = history._get(index, "partial")
+        earlier = earlier.split(",") if earlier else []
         # A value reduced again with a late rank's may be complete now: partial names only what still is.
         marked = [name for name in earlier if name not in reduced or name in partial]
         marked += [name for name in partial if name not in marked]
         if marked and (partial or marked != earlier):
             update["partial"] = ",".join(marked)
         elif not marked and earlier:
-            del record["partial"]
-        record.update(update)
-        self._own[(key, x)].update(own)
+            history._remove(index, ("partial",))
+        history._update(index, update)
+        history._update_own(index, own)
         point.meta = {}
         return [update]

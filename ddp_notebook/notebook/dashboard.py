@@ -30,7 +30,7 @@ from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.25
 MIN_REDRAW_S = 0.5  # two figure redraws a second at most
-# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (50-200 ms of
+# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (30-200 ms of
 # matplotlib, mostly ticks and labels) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
 # DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
 # changes its curves at every tick (report() every step) redraws every few seconds, not every half second.
@@ -200,12 +200,53 @@ class Status:
         return " · ".join(parts)
 
 
-class Curves:
-    """The points to plot, by (x key, metric name), fed with the reducer's updates."""
+class Series:
+    """One curve's points for drawing, bounded however long the run: up to ``2 * MAX_PLOTTED_POINTS``; past that,
+    every other one is let go and from then on only every ``stride``-th point is kept (the history keeps them
+    all), and the latest point is always drawn."""
+
+    __slots__ = ("xs", "ys", "stride", "seen", "tip")
 
     def __init__(self):
-        self.points: dict[tuple[str, str], tuple[list, list]] = {}
-        self.partial: dict[tuple[str, str], tuple[list, list]] = {}
+        self.xs: list = []
+        self.ys: list = []
+        self.stride = 1
+        self.seen = 0  # points added (kept or not) since the first one kept
+        self.tip: tuple | None = None  # the latest point, where it was not kept
+
+    def add(self, x, y) -> None:
+        if self.tip is not None and self.tip[0] >= x:
+            self.tip = None
+        xs, ys = self.xs, self.ys
+        if xs and xs[-1] >= x:  # a restarted attempt replays these x values: its points replace them
+            while xs and xs[-1] >= x:
+                xs.pop()
+                ys.pop()
+            self.seen = len(xs) * self.stride
+        if self.seen % self.stride:
+            self.tip = (x, y)
+        else:
+            xs.append(x)
+            ys.append(y)
+            self.tip = None
+            if len(xs) > 2 * MAX_PLOTTED_POINTS:
+                del xs[1::2], ys[1::2]
+                self.stride *= 2
+        self.seen += 1
+
+    def lists(self) -> tuple[list, list]:
+        """Copies of the points to draw."""
+        if self.tip is None:
+            return list(self.xs), list(self.ys)
+        return self.xs + [self.tip[0]], self.ys + [self.tip[1]]
+
+
+class Curves:
+    """The points to plot, by (x key, metric name), fed with the reducer's updates (bounded: :class:`Series`)."""
+
+    def __init__(self):
+        self.points: dict[tuple[str, str], Series] = {}
+        self.partial: dict[tuple[str, str], Series] = {}
         self.restarts: list[tuple[str, float]] = []  # (x key, x) where an attempt failed and the job restarted
         self.reporters: dict[str, list[int]] = {}  # metrics only some ranks report: their ranks (history's)
         self.version = 0
@@ -223,23 +264,22 @@ class Curves:
         for name, value in update.items():
             if name in META_KEYS:
                 continue
-            xs, ys = self.points.setdefault((key, name), ([], []))
-            while xs and xs[-1] >= x:  # a restarted attempt replays these x values: its points replace them
-                xs.pop()
-                ys.pop()
-            xs.append(x)
-            ys.append(value)
+            series = self.points.get((key, name))
+            if series is None:
+                series = self.points[(key, name)] = Series()
+            series.add(x, value)
             if name in partial:
-                pxs, pys = self.partial.setdefault((key, name), ([], []))
-                pxs.append(x)
-                pys.append(value)
+                series = self.partial.get((key, name))
+                if series is None:
+                    series = self.partial[(key, name)] = Series()
+                series.add(x, value)
         self.version += 1
 
     def snapshot(self) -> dict:
         """Copies, so a drawing thread can use them while new points arrive."""
         return {
-            "points": {k: (list(xs), list(ys)) for k, (xs, ys) in self.points.items()},
-            "partial": {k: (list(xs), list(ys)) for k, (xs, ys) in self.partial.items()},
+            "points": {k: series.lists() for k, series in self.points.items()},
+            "partial": {k: series.lists() for k, series in self.partial.items()},
             "restarts": list(self.restarts),
             "reporters": {name: tuple(ranks) for name, ranks in self.reporters.items()},
         }

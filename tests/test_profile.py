@@ -133,10 +133,11 @@ def _own_profiler():
 
     from ddp_notebook import report
 
-    for step in range(8):
+    for step in range(12):
+        if step == 4:  # inside --profile's window (skip 1, warm-up 1, 6 recorded)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                torch.randn(100).sum()
         report(step=step)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        torch.randn(100).sum()
     return any(e.name == "aten::sum" for e in prof.events())
 
 
@@ -147,8 +148,10 @@ def test_a_job_without_profile_runs_no_profiler_and_a_cells_own_profiler_keeps_w
     results = ddp_notebook.launch(_no_profiler_here, cpus=2)
     assert [active for active, _ in results] == [False, False]
     assert ddp_notebook.last_job().profile is None and os.listdir(tmp_path) == []
-    # The cell's own profiler, started inside --profile's window, records its ops.
-    assert ddp_notebook.launch(_own_profiler, cpus=2, profile="steps=4,skip=2") == [True, True]
+    # The cell's own profiler, started inside --profile's window, records its ops; ours ends its window there.
+    assert ddp_notebook.launch(_own_profiler, cpus=2, profile="steps=6,skip=1") == [True, True]
+    cut_short = ddp_notebook.last_job().profile
+    assert sorted(cut_short.summary) == [0, 1] and all(0 < n < 6 for n in cut_short.steps.values()), cut_short
 
 
 def test_profile_options_are_checked_before_anything_starts():

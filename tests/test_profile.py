@@ -5,6 +5,8 @@ import json
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ddp_notebook
 from ddp_notebook.engine.profiling import ProfileOptions, breakdown
@@ -195,6 +197,29 @@ def test_a_profiled_cell_on_a_warm_pool_shows_its_breakdown_and_the_next_cell_ru
     ], cwd=str(tmp_path))
     shown = text(nb.cells[2])
     assert "rank 0 (5 steps): compute " in shown and "ui.perfetto.dev" in shown, shown
+    data = [output.get("data", {}) for output in nb.cells[2].outputs]
+    assert any("image/png" in d for d in data)  # the stacked bar
+    link = next(d["text/html"] for d in data if "text/html" in d)
+    assert 'href="ddp_profile_job' in link and "ui.perfetto.dev" in link, link
     assert "steps {0: 5, 1: 5}" in text(nb.cells[3])
     assert "active False" in text(nb.cells[5])
     assert [name for name in os.listdir(tmp_path) if name.startswith("ddp_profile_job")]
+
+
+_spans = st.lists(st.tuples(st.sampled_from(["aten::mm", "gloo:all_reduce", "ddp_notebook:data", "c10d::allreduce_"]),
+                            st.integers(0, 1000), st.integers(1, 400), st.integers(1, 3)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_spans)
+def test_the_four_categories_never_overlap_and_fill_the_window(spans):
+    events = [{"ph": "X", "name": "ProfilerStep#1", "ts": 0, "dur": 1000, "cat": "user_annotation", "tid": 1}]
+    events += [{"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "cat": "cpu_op" if name in ("aten::mm", "c10d::allreduce_") else "user_annotation"}
+               for name, ts, dur, tid in spans]
+    seconds, overlap, _ = breakdown(events)
+    assert all(value >= 0 for value in seconds.values())
+    assert sum(seconds.values()) == pytest.approx(0.001)  # the window: 1,000 µs
+    assert overlap is None or 0 <= overlap <= 1
+    if not any(name == "ddp_notebook:data" for name, *_ in spans):
+        assert seconds["data"] == 0

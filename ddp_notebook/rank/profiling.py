@@ -34,8 +34,9 @@ _steps_from_loader = False  # a loader steps the window: report() and progress()
 _clock_offset_ns = 0
 
 
-def start(options: dict) -> None:
-    """Profile this task's steps as ``options`` say: ``{steps, skip, clock_ns, host}`` (``RUN``'s ``profile``).
+def start(options: dict, cuda: bool = False) -> None:
+    """Profile this task's steps as ``options`` say: ``{steps, skip, clock_ns, host}`` (``RUN``'s ``profile``);
+    ``cuda``: the rank's device is a GPU (its kernels are recorded too).
 
     ``clock_ns`` is the notebook's ``time.time_ns()`` as it sent the task; on another host than the notebook's,
     its difference to this rank's clock (message latency included) aligns this rank's trace."""
@@ -48,7 +49,7 @@ def start(options: dict) -> None:
     _clock_offset_ns = 0 if options.get("host") == socket.gethostname() else options["clock_ns"] - time.time_ns()
     _steps_from_loader = False
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     _profiler = profile(activities=activities, record_shapes=False, with_stack=False,
                         schedule=schedule(skip_first=options["skip"], wait=0, warmup=1, active=options["steps"],
@@ -106,10 +107,10 @@ def step(from_loader: bool = False) -> None:
     """One step of the task: the window moves on (a loader's batch; else a ``report()`` or ``progress()``)."""
     if _profiler is None or (_steps_from_loader and not from_loader):
         return
-    from torch.autograd.profiler import _is_profiler_enabled
+    from torch.autograd import profiler as autograd_profiler
     from torch.profiler import ProfilerAction
 
-    if _profiler.current_action == ProfilerAction.NONE and _is_profiler_enabled:
+    if _profiler.current_action == ProfilerAction.NONE and autograd_profiler._is_profiler_enabled:
         _end_window_early()  # a profiler of the cell's own runs: ours does not start over it
         return
     _profiler.step()

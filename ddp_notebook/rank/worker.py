@@ -346,7 +346,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if seed is not None:
             _seed_everything(seed)
         if ctx.extra.get("profile"):
-            profiling.start(ctx.extra["profile"])
+            profiling.start(ctx.extra["profile"], cuda=getattr(ctx.device, "type", None) == "cuda")
         value = task.run(ctx, namespace)
         profiling.finish(sender, task_id)  # (before the result: the job has every trace when it ends)
         if interruptible is not None:

@@ -9,14 +9,14 @@ import sys
 from typing import Any, Callable
 
 from .engine import devices as gpu_discovery
-from .engine import multinode, pool, slurm
+from .engine import multinode, pool, profiling, slurm
 from .engine import template as rank_template
 from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay, RankLogs
 from .engine.spec import JobSpec, check_options, resolve_devices
-from .notebook import prompting
+from .notebook import profile_view, prompting
 from .wire import payload
 from .wire.errors import LaunchError, Stopped
 
@@ -26,7 +26,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
            nnodes: int = 1, master_addr: str | None = None, export: str | None = None, executor: Any = None,
            detach: bool = False, max_restarts: int = 0, log_dir: str | None = None, force: bool = False,
-           wait: float | None = None, debug: bool = False) -> Any:
+           wait: float | None = None, debug: bool = False, profile: Any = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -55,6 +55,10 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     ``input()``, ``breakpoint()`` and pdb in a rank ask in the notebook (its input box), one rank at a time.
     ``debug=True``: the first failing rank stays at its failure (the others are stopped); ``%ddp_debug`` (or
     ``ddp_notebook.last_job().debug()``) then opens the debugger there.
+
+    ``profile=True`` (or ``"steps=20,skip=5"``): every rank runs torch.profiler over a window of its steps; one
+    merged trace goes to ``log_dir`` (else the working folder) and ``last_job().profile`` says where each rank's
+    time went (docs/metrics-and-dashboard.md).
     """
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
@@ -63,6 +67,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     if debug and (executor is not None or nnodes > 1):
         raise LaunchError("debug=True keeps a failing rank of this host for the debugger; the ranks of a job on "
                           "several hosts or of a Slurm job end with their task")
+    profile = profiling.checked(profile, nnodes=nnodes, executor=executor, detach=detach)
     warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
                 master_addr=master_addr, export=export, executor=executor, force=force, wait=wait)
@@ -74,8 +79,14 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     if not background:
         job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
     job.keep_failed_rank = debug
+    profiling.attach(job, profile, log_dir)
     start_job(job, background=background)
-    return job.run_in_background() if background else foreground_result(job)
+    if background:
+        return job.run_in_background()
+    try:
+        return foreground_result(job)
+    finally:
+        profile_view.show(job)
 
 
 def warm_pool_for(gpus: Any = None, cpus: int | None = None, nnodes: int = 1,

@@ -28,7 +28,7 @@ from ..wire import payload, protocol, sharing
 from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_timeout
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
-from . import stacks
+from . import profiling, stacks
 from .output import OutputRelay, release_kernel_pipe
 from .spec import JobSpec
 
@@ -171,6 +171,9 @@ class Job(EventSource):
         self.keep_failed_rank = False  # --debug: the failing rank of the job's own ranks stays for debug()
         self.kept_rank: int | None = None  # the failing rank that holds its failure for debug()
         self._debugged = False
+        # --profile (engine/profiling.py): the ranks' window of steps, and what a listener made of their traces
+        self.profile_options: "profiling.ProfileOptions | None" = None
+        self.profile: "profiling.Profile | None" = None
 
     @property
     def pids(self) -> dict[int, int]:
@@ -310,7 +313,11 @@ class Job(EventSource):
         self.group.send_to(self.targets, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
                                                          "attempt": self.attempt,
                                                          "every_rank": len(self.targets) == self.spec.world_size,
+                                                         **self._profile_options(),
                                                          **self._new_results_files()}))
+
+    def _profile_options(self) -> dict:
+        return {"profile": self.profile_options.for_ranks()} if self.profile_options is not None else {}
 
     def _new_results_files(self) -> dict:
         """An empty shared file for each rank's result (``sharing.results_file``), the notebook's own: a rank may

@@ -21,11 +21,12 @@ from ..engine import callbacks
 from ..engine import export as exporting
 from ..engine import job as engine_job
 from ..engine import pool as pool_module
+from ..engine import profiling
 from ..engine import spec as job_spec
 from ..engine import template as rank_template
 from ..wire import payload
 from ..wire.errors import JobStopped, LaunchError, RankError, Stopped
-from . import dashboard, prompting
+from . import dashboard, profile_view, prompting
 
 
 def parse_flags(magic, line: str):
@@ -218,6 +219,9 @@ class DDPMagics(Magics):
     @argument("--log-dir", default=None, metavar="DIR",
               help="also write every rank's complete output to DIR/rank<N>.log (job.logs(rank) keeps the newest "
                    "16 MB in memory)")
+    @argument("--profile", nargs="?", const="", default=None, metavar="steps=N,skip=M",
+              help="run torch.profiler on every rank over N steps (default 10) after M (default 5): one merged "
+                   "trace (--log-dir, else the working folder) and where each rank's time went, under the cell")
     @argument("--return", dest="returns", default=None, metavar="a,b",
               help="names assigned in the cell to copy back from rank 0 (tensors to CPU, DDP unwrapped)")
     @argument("--output", choices=("all", "0"), default="all", help="show every rank's output, or rank 0's only")
@@ -286,6 +290,8 @@ class DDPMagics(Magics):
                 raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
             payload.check_syntax(cell, 1, label)
             _check_node_flags(args, export_only)
+            profile = profiling.checked(args.profile, nnodes=args.nnodes, executor=executor, detach=args.detach,
+                                        export_only=export_only)
             targets = _parse_ranks(args.ranks, warm, cell, returns)
             if warm is not None:
                 warm.refuse_job_options(port=args.port, timeout=args.timeout, backend=args.backend)
@@ -331,6 +337,7 @@ class DDPMagics(Magics):
                                        max_restarts=args.max_restarts, log_dir=args.log_dir)
             job.stop_grace = args.grace
             job.keep_failed_rank = args.debug
+            profiling.attach(job, profile, args.log_dir)
         except BaseException as exc:
             if spec is not None:
                 spec.release_devices()  # the job will not run: its GPUs go back now
@@ -367,6 +374,7 @@ class DDPMagics(Magics):
             raise
         finally:
             settle(job)
+            profile_view.show(job)
         if job.stopped_text:
             if returns:
                 shell.user_ns.update(results[0].values)

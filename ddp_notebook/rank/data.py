@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-from . import context, metrics, stopping, timing
+from . import context, metrics, profiling, stopping, timing
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -174,6 +174,7 @@ class DistributedLoader(DataLoader):
         done = 0
         if stoppable:
             stopping.announce()
+        profiling.step_by_loader()  # (its own progress() calls are not steps then)
         if progress is not None:
             progress(done, total)
         timing.watch_ddp()
@@ -182,10 +183,12 @@ class DistributedLoader(DataLoader):
         while True:
             wait_started = time.perf_counter()
             try:
-                batch = next(batches)
+                with profiling.data_wait():
+                    batch = next(batches)
             except StopIteration:
                 return
             data_s = time.perf_counter() - wait_started
+            profiling.step(from_loader=True)
             if stoppable and stopping.at_boundary(self._where(done)):
                 return
             yield batch

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..wire import protocol
 from ..wire.protocol import TOTAL_KEYS, format_record
-from . import context, timing
+from . import context, profiling, timing
 
 
 PROGRESS_INTERVAL_S = 0.1  # at most ~10 progress events a second per rank
@@ -88,6 +88,7 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     it over ranks instead.  Outside a job it prints one line and does nothing else.
     """
     global _implicit_step
+    profiling.step()  # (a --profile window counts report() calls where no loader counts batches)
     values = {}
     summed = []
     for name, value in metrics.items():
@@ -147,6 +148,7 @@ def progress(done: int, total: int) -> None:
     except the last one (``done >= total``).  Does nothing outside a job.
     """
     global _last_progress_sent
+    profiling.step()
     now = time.monotonic()
     if done < total and now - _last_progress_sent < PROGRESS_INTERVAL_S:
         return

@@ -22,7 +22,7 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, debugging, display, replicas, sharded, stopping, streams, timing
+from . import context, debugging, display, profiling, replicas, sharded, stopping, streams, timing
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -345,7 +345,10 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         timing.reset()
         if seed is not None:
             _seed_everything(seed)
+        if ctx.extra.get("profile"):
+            profiling.start(ctx.extra["profile"], cuda=getattr(ctx.device, "type", None) == "cuda")
         value = task.run(ctx, namespace)
+        profiling.finish(sender, task_id)  # (before the result: the job has every trace when it ends)
         if interruptible is not None:
             interruptible.clear()
         if sender is not None:
@@ -369,6 +372,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
             "debugger" if debugging.quit_by_debugger(exc) else None
         debugging.leave_out_debugger(exc)
+        profiling.finish(sender, task_id)
         failure = failure_report(exc, payload.traceback_labels(), kind=kind)
         failure["task"] = task_id
         if failure["kind"] == "user":
@@ -505,6 +509,7 @@ def serve(boot: dict) -> None:
         ctx.extra["attempt"] = int(body.get("attempt", 0))
         ctx.extra["task"] = body["task"]
         ctx.extra["every_rank_runs"] = body.get("every_rank", True)
+        ctx.extra["profile"] = body.get("profile")  # --profile (rank/profiling.py)
         results_files = body.get("results_files")  # (the notebook's pid, and a file of each rank's)
         ctx.extra["results_file"] = (results_files[0], results_files[1][ctx.rank]) \
             if results_files and ctx.rank in results_files[1] else None

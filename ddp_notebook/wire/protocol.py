@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 # The notebook to a rank
-RUN = "run"  # {task, data | path, seed, attempt, every_rank[, debug]}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts; every_rank: False when it runs on some ranks only; debug: a failing rank waits at its failure for DEBUG or EXIT)
+RUN = "run"  # {task, data | path, seed, attempt, every_rank[, debug][, profile]}: load the task (pickled in data, or in the file at path) and run it (attempt: 0, then 1, 2, ... after restarts; every_rank: False when it runs on some ranks only; debug: a failing rank waits at its failure for DEBUG or EXIT; profile: --profile's {steps, skip, clock_ns, host}, rank/profiling.py)
 SYNC = "sync"  # {task, timeout, check_timeout}: a warm pool's barrier and process-group check after an interrupt
 EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (the rank reads it there)
@@ -33,6 +33,7 @@ SYNCED = "synced"  # {task, stage}: answer to SYNC, once past the store ("store"
 BYE = "bye"  # {}: the rank is leaving
 FILES = "files"  # {reason}: not every rank reached the notebook; they all report through the run's files instead
 STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())
+PROFILE = "profile"  # {task, offset_ns, trace}: --profile: the rank's Chrome trace of its profiled steps (gzip JSON; None: no step reached the window), offset_ns: its wall clock's offset to the notebook's
 RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
 PROMPT = "prompt"  # {task, id, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
 SAID = "said"  # {task, text}: the rank's debugger lets it go on; text: what it wrote since its last prompt (shown whatever --output)

@@ -54,6 +54,8 @@ def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_w
     env = dict(os.environ)
     env.update(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
+    # job.why(): torch's Flight Recorder keeps each rank's last collectives (read as the process group is made)
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     if rank >= 0:
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),

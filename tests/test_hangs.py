@@ -1,0 +1,130 @@
+"""A hang explained: which ranks wait in which collective (torch's Flight Recorder), which rank has not joined it
+and where it is, which rank finished already, which called another collective (real gloo ranks, 3 of them)."""
+import re
+import time
+
+import pytest
+
+import ddp_notebook
+from ddp_notebook.engine import hangs
+
+
+def _one_asleep():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        time.sleep(600)  # ASLEEP
+    dist.all_reduce(t)
+
+
+def _one_finished():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() != 1:
+        dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def _mismatched():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if dist.get_rank() == 2:
+        dist.all_gather([torch.ones(4) for _ in range(3)], t)
+    else:
+        dist.all_reduce(t)
+
+
+def _line_of(fn, marker: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def _told_within(capsys, job, seconds: float, expected: str) -> str:
+    """What the job said (on stderr) until it says ``expected`` (a pattern), or ``seconds`` passed."""
+    told = ""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not re.search(expected, told) and not job.done:
+        time.sleep(0.1)
+        told += capsys.readouterr().err
+    return told
+
+
+def test_a_rank_asleep_before_an_all_reduce_is_named_with_its_line_and_the_job_goes_on(no_leftovers,
+                                                                                      capsys):
+    job = ddp_notebook.launch(_one_asleep, cpus=3, background=True, hang_after=2, timeout=120)
+    try:
+        # (started when every rank joined the group: hang_after + a few seconds from there, the start-up aside)
+        told = _told_within(capsys, job, 60, r"rank 1 has not reached it")
+        assert "made no progress for 2 s" in told, told
+        assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+ since 0:00:0\d", told), told
+        line = _line_of(_one_asleep, "# ASLEEP")
+        assert f"rank 1 has not reached it (its last was #" in told, told
+        assert re.search(rf"rank 1 has not reached it .*: it is at _one_asleep \(test_hangs.py:{line}\), "
+                         rf"`time.sleep\(600\)  # ASLEEP`", told), told
+        assert job.status == "running"
+        again = job.why()  # on demand: the same
+        assert again.missing == [1] and sorted(again.waiting) == [0, 2], again
+        assert again.waiting[0]["name"] == "all_reduce" and not again.mismatched
+    finally:
+        job.stop(timeout=30)
+    assert job.done
+
+
+def test_a_rank_that_finished_is_named_as_finished(no_leftovers, capsys):
+    job = ddp_notebook.launch(_one_finished, cpus=3, background=True, hang_after=2, timeout=120)
+    try:
+        told = _told_within(capsys, job, 60, r"finished its task")
+        assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+", told), told
+        assert "rank 1 finished its task already" in told, told
+        assert "rank 1 has not reached it" not in told, told
+        assert job.why().finished == [1]
+    finally:
+        job.stop(timeout=30)
+
+
+def test_mismatched_collectives_are_named_with_what_each_called(no_leftovers, capsys):
+    job = ddp_notebook.launch(_mismatched, cpus=3, background=True, hang_after=2, timeout=120)
+    try:
+        told = _told_within(capsys, job, 60, r"disagree")
+        assert re.search(r"rank 2 called all_gather #\d+ \(size 4\) where ranks 0 and 1 called all_reduce "
+                         r"\(size 4\): the collectives disagree", told), told
+    finally:
+        job.stop(timeout=30)
+
+
+def test_the_process_group_timeout_error_says_why(no_leftovers, capsys):
+    job = ddp_notebook.launch(_one_asleep, cpus=3, background=True, hang_after=60, timeout=8)
+    with pytest.raises(ddp_notebook.RankError) as failed:
+        job.wait(timeout=90)
+    text = str(failed.value)
+    assert "why it was stuck" in text, text
+    assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+", text), text
+    assert "rank 1 has not reached it" in text, text
+
+
+def test_hang_watch_counts_a_recent_collective_as_progress():
+    watch = hangs.HangWatch(0.05)
+    time.sleep(0.06)
+    moving = hangs.Diagnosis("x", newest=time.time())
+    assert watch.check(lambda: moving) is None  # a collective was just made
+    stuck = hangs.Diagnosis("stuck", newest=time.time() - 1)
+    time.sleep(0.06)
+    assert watch.check(lambda: stuck) is stuck
+    time.sleep(0.06)
+    assert watch.check(lambda: stuck) is None  # said once per hang, while it says the same
+    watch.progress()
+    time.sleep(0.06)
+    assert watch.check(lambda: stuck) is stuck

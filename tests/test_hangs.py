@@ -7,6 +7,7 @@ import pytest
 
 import ddp_notebook
 from ddp_notebook.engine import hangs
+from nbrun import execute, kernel, run_cell
 
 
 def _one_asleep():
@@ -128,3 +129,52 @@ def test_hang_watch_counts_a_recent_collective_as_progress():
     watch.progress()
     time.sleep(0.06)
     assert watch.check(lambda: stuck) is stuck
+
+
+HUNG_CELL = '''%%ddp --cpus 3 --hang-after 2 --timeout 120
+import time
+import torch.distributed as dist
+t = torch.ones(1)
+dist.all_reduce(t)
+if rank == 1:
+    time.sleep(20)
+dist.all_reduce(t)
+print("DONE", rank)
+'''
+
+
+@pytest.mark.kernel
+def test_a_hung_cell_says_why_by_itself_and_goes_on(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        reply, told = run_cell(kc, HUNG_CELL, timeout=180)
+        assert reply["status"] == "ok", told
+        assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+ since", told), told
+        assert "rank 1 has not reached it (its last was #" in told, told
+        assert re.search(r"it is at cell line 7, `time.sleep\(20\)`", told), told
+        assert told.count("DONE") == 3, told  # the job went on to its end
+
+
+WARM_HUNG_CELL = '''%%ddp --background --hang-after 0
+import time
+import torch.distributed as dist
+t = torch.ones(1)
+dist.all_reduce(t)
+if rank != 1:
+    dist.all_reduce(t)
+'''
+
+
+@pytest.mark.kernel
+def test_ddp_why_on_a_warm_pool_names_the_finished_rank(no_leftovers):
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        execute(kc, ["%ddp_start --cpus 3"], timeout=120)
+        execute(kc, [WARM_HUNG_CELL], timeout=60)
+        told = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "finished its task" not in told:
+            time.sleep(0.5)
+            told = execute(kc, ["%ddp_why"])
+        assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+", told), told
+        assert "rank 1 finished its task already" in told, told
+        assert "made no progress" not in execute(kc, ["print('quiet')"])  # --hang-after 0: never said by itself
+        execute(kc, ["ddp_notebook.last_job().stop(timeout=30)", "%ddp_stop"], timeout=120)

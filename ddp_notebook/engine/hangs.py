@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..wire import protocol
+from ..wire import payload, protocol
 from . import stacks
 
 DEFAULT_HANG_AFTER = 180.0  # seconds without progress before a running job says why it is stuck
@@ -98,6 +98,16 @@ class Diagnosis:
     __repr__ = __str__
 
 
+def _line_of(path: str, line: int) -> str:
+    """The code at a line: of a cell as its user wrote it (linecache holds IPython's transformed ``%%ddp`` cell),
+    or of a file."""
+    text = payload.notebook_sources({path}).texts.get(path)
+    if text is not None:
+        lines = text.splitlines()
+        return lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    return linecache.getline(path, line).strip()
+
+
 def _where(where: stacks.RankStacks, rank: int) -> str:
     """Where a rank is: its innermost user frame at the cell's own line, with that line's code."""
     frames = where.frames.get(rank)
@@ -107,7 +117,7 @@ def _where(where: stacks.RankStacks, rank: int) -> str:
     for frame in frames:
         if frame.file.startswith(stacks.LIBRARY_DIRS):
             continue
-        code = linecache.getline(files.get(frame.file, frame.file), frame.line).strip()
+        code = _line_of(files.get(frame.file, frame.file), frame.line)
         place = f"cell line {frame.line}" if frame.file.startswith("Cell In[") else str(frame)
         return f"{place}, `{code}`" if code else place
     return where.where(rank)

@@ -46,6 +46,23 @@ def _mismatched():
         dist.all_reduce(t)
 
 
+def _loader_with_a_sleeper():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import ddp_notebook
+
+    data = torch.utils.data.TensorDataset(torch.randn(600, 2))
+    loader = ddp_notebook.distributed_loader(data, batch_size=2)
+    for epoch in range(100):
+        for batch, (x,) in enumerate(loader):
+            if epoch == 0 and batch == 3 and dist.get_rank() == 1:
+                time.sleep(8)  # SLEEPS
+            time.sleep(0.01)
+
+
 def _line_of(fn, marker: str) -> int:
     import inspect
 
@@ -82,6 +99,24 @@ def test_a_rank_asleep_before_an_all_reduce_is_named_with_its_line_and_the_job_g
     finally:
         job.stop(timeout=30)
     assert job.done
+
+
+def test_a_hang_in_a_loader_loop_is_said_and_the_job_then_stops_gracefully(no_leftovers, capsys):
+    job = ddp_notebook.launch(_loader_with_a_sleeper, cpus=3, background=True, hang_after=2, timeout=120)
+    try:
+        told = _told_within(capsys, job, 60, r"rank 1 has not reached it")
+        line = _line_of(_loader_with_a_sleeper, "# SLEEPS")
+        assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+", told), told  # the loader's stop agreement
+        assert re.search(rf"rank 1 has not reached it .*: it is at _loader_with_a_sleeper "
+                         rf"\(test_hangs.py:{line}\), `time.sleep\(8\)  # SLEEPS`", told), told
+        assert job.status == "running"
+        job.stop(timeout=60)  # graceful: every rank stops at the batch boundary after rank 1 wakes
+        assert job.status == "stopped"
+        assert job.stopped_at is not None and job.stopped_at["epoch"] == 0, job.stopped_at
+        assert len(job.wait(timeout=10)) == 3
+    finally:
+        if not job.done:
+            job.stop(timeout=30, now=True)
 
 
 def test_a_rank_that_finished_is_named_as_finished(no_leftovers, capsys):

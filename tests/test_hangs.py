@@ -89,7 +89,7 @@ def test_a_rank_asleep_before_an_all_reduce_is_named_with_its_line_and_the_job_g
         assert "made no progress for 2 s" in told, told
         assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+ since 0:00:0\d", told), told
         line = _line_of(_one_asleep, "# ASLEEP")
-        assert f"rank 1 has not reached it (its last was #" in told, told
+        assert "rank 1 has not reached it (its last was #" in told, told
         assert re.search(rf"rank 1 has not reached it .*: it is at _one_asleep \(test_hangs.py:{line}\), "
                          rf"`time.sleep\(600\)  # ASLEEP`", told), told
         assert job.status == "running"

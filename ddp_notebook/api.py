@@ -26,7 +26,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
            timeout: float | None = None, callbacks: list | tuple = (), background: bool = False,
            nnodes: int = 1, master_addr: str | None = None, export: str | None = None, executor: Any = None,
            detach: bool = False, max_restarts: int = 0, log_dir: str | None = None, force: bool = False,
-           wait: float | None = None, debug: bool = False, profile: Any = None) -> Any:
+           wait: float | None = None, debug: bool = False, profile: Any = None,
+           hang_after: float | None = 180.0) -> Any:
     """Run ``fn(*args, **kwargs)`` on every rank with the process group ready; the per-rank return values.
 
     With no devices named, a warm pool (``%ddp_start``) runs it if one is up.
@@ -59,6 +60,9 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     ``profile=True`` (or ``"steps=20,skip=5"``): every rank runs torch.profiler over a window of its steps; one
     merged trace goes to ``log_dir`` (else the working folder) and ``last_job().profile`` says where each rank's
     time went (docs/metrics-and-dashboard.md).
+    ``hang_after``: after that many seconds without progress (no report, batch, completed collective or result)
+    the job says why it is stuck (``job.why()``: which ranks wait in which collective, which rank has not joined
+    it and where it is) and goes on; 0 or None: never.
     """
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
@@ -80,6 +84,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
         job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
     job.keep_failed_rank = debug
     profiling.attach(job, profile, log_dir)
+    job.hang_after = hang_after or None
     start_job(job, background=background)
     if background:
         return job.run_in_background()

@@ -41,7 +41,7 @@ ExitHandler = Callable[[int, "int | None"], None]
 PER_RANK_VARIABLES = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
     "MASTER_ADDR", "MASTER_PORT", "DDP_NOTEBOOK_RANK", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
-    "CUDA_DEVICE_ORDER", "MPLBACKEND", "PYTHONUNBUFFERED",
+    "CUDA_DEVICE_ORDER", "MPLBACKEND", "PYTHONUNBUFFERED", "TORCH_FR_BUFFER_SIZE",
 })
 
 
@@ -54,6 +54,8 @@ def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_w
     env = dict(os.environ)
     env.update(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
+    # job.why(): torch's Flight Recorder keeps each rank's last collectives (read as the process group is made)
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     if rank >= 0:
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),

@@ -28,7 +28,7 @@ from ..wire import payload, protocol, sharing
 from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_timeout
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
-from . import profiling, stacks
+from . import hangs, profiling, stacks
 from .output import OutputRelay, release_kernel_pipe
 from .spec import JobSpec
 
@@ -174,6 +174,8 @@ class Job(EventSource):
         # --profile (engine/profiling.py): the ranks' window of steps, and what a listener made of their traces
         self.profile_options: "profiling.ProfileOptions | None" = None
         self.profile: "profiling.Profile | None" = None
+        self.hang_after: float | None = hangs.DEFAULT_HANG_AFTER  # no progress this long: the job says why (why())
+        self._hang_watch: hangs.HangWatch | None = None
 
     @property
     def pids(self) -> dict[int, int]:
@@ -252,6 +254,10 @@ class Job(EventSource):
         return self
 
     def _begin_attempt(self) -> None:
+        after = self.hang_after
+        if after and self.spec.timeout and after > 0.75 * self.spec.timeout:
+            after = 0.75 * self.spec.timeout  # said before the process-group timeout ends it: its error tells why
+        self._hang_watch = hangs.HangWatch(after)
         self.group.attach(self._on_message, self._on_exit)
         log.debug("job #%s started on %s: %s ranks, port %s (attempt %s)", self.task_id, type(self.group).__name__,
                   self.spec.world_size, self.port, self.attempt)
@@ -340,10 +346,13 @@ class Job(EventSource):
     def _pump(self, timeout: float = 0.1) -> None:
         self.group.pump(timeout)
         self._check_progress()
+        self._say_if_stuck()
 
     def _on_message(self, rank: int, kind: str, body: dict) -> None:
         if body.get("task", self.task_id) != self.task_id:
             return  # a late word about an earlier cell of a warm pool
+        if self._hang_watch is not None:
+            self._hang_watch.progress()
         if kind == protocol.STOPPABLE:
             self.stoppable.add(rank)
         if kind in (protocol.RESULT, protocol.FAILED) and self._debugging == rank:
@@ -505,6 +514,8 @@ class Job(EventSource):
             waiting = [r for r in self.targets if r not in self._results and r not in self._failures]
             if waiting:
                 note += f"\nwhere the other ranks were:\n{stacks.collect(self.group, waiting)}"
+            if self._hang_diagnosis is not None:
+                note += f"\nwhy it was stuck (at {self._hang_diagnosis.at}):\n{self._hang_diagnosis}"
         others = [f.rank for f in failures if f.rank != cause.rank]
         if len(failures) == len(self.targets) > 1 and len({f.headline() for f in failures}) == 1:
             note = "(every rank failed the same way)"
@@ -612,6 +623,31 @@ class Job(EventSource):
         if self.group is None:
             raise RuntimeError(f"job #{self.task_id} has no ranks (not started)")
         return stacks.collect(self.group, list(self.targets))
+
+    # -- hangs -----------------------------------------------------------
+    _hang_diagnosis: "hangs.Diagnosis | None" = None  # the last found, kept for a process-group timeout's error
+
+    def why(self) -> "hangs.Diagnosis":
+        """Why the job is stuck: which ranks wait in which collective (name and number, from torch's Flight
+        Recorder), which rank has not joined it and where it is (the cell's line), which ranks finished already,
+        which called another collective than the others."""
+        if self.group is None:
+            raise RuntimeError(f"job #{self.task_id} has no ranks (not started)")
+        self._hang_diagnosis = hangs.diagnose(self.group, list(self.targets), sorted(self._results))
+        return self._hang_diagnosis
+
+    def _say_if_stuck(self) -> None:
+        """``hang_after`` seconds without progress: say why, once; the job goes on (the user stops it or waits)."""
+        if self._hang_watch is None or self._outcome is not None or self._stop_asked_at is not None:
+            return
+        if not set(self.targets) <= self.group.ready:
+            self._hang_watch.progress()  # still starting: the start-up bound applies, not hang_after
+            return
+        found = self._hang_watch.check(self.why)
+        if found is not None:
+            print(f"ddp_notebook: job #{self.task_id} made no progress for {self._hang_watch.hang_after:g} s "
+                  f"(--hang-after); it goes on. Why:\n{found}", file=sys.stderr, flush=True)
+            self.emit(protocol.HANG, -1, {"text": found.text})
 
     def run_in_background(self) -> "Job":
         background_jobs()  # forgets the jobs no longer referred to

@@ -19,7 +19,7 @@ from ..wire import payload, protocol
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
-_LIBRARIES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class RankStacks:
             return "no answer (not running, or not a ddp_notebook rank)"
         if not frames:
             return "idle (between cells)"
-        user = [i for i, f in enumerate(frames) if not f.file.startswith(_LIBRARIES)]
+        user = [i for i, f in enumerate(frames) if not f.file.startswith(LIBRARY_DIRS)]
         first_user = user[0] if user else len(frames) - 1
         parts = ([frames[0].function] if first_user > 0 else []) + [str(f) for f in frames[first_user:]]
         return " ← ".join(parts)

@@ -216,6 +216,9 @@ class DDPMagics(Magics):
     @argument("--grace", type=float, default=10.0, metavar="SECONDS",
               help="after the first interrupt (or Stop), how long the ranks may take to reach a batch boundary "
                    "and stop gracefully before they are stopped hard")
+    @argument("--hang-after", type=float, default=None, metavar="SECONDS",
+              help="after this long without progress (report, batch, collective, result), say why the job is "
+                   "stuck: which ranks wait in which collective, which rank is elsewhere (default 180; 0: never)")
     @argument("--log-dir", default=None, metavar="DIR",
               help="also write every rank's complete output to DIR/rank<N>.log (job.logs(rank) keeps the newest "
                    "16 MB in memory)")
@@ -336,6 +339,8 @@ class DDPMagics(Magics):
                                        relay=relay, targets=targets, background=args.background,
                                        max_restarts=args.max_restarts, log_dir=args.log_dir)
             job.stop_grace = args.grace
+            if args.hang_after is not None:
+                job.hang_after = args.hang_after or None
             job.keep_failed_rank = args.debug
             profiling.attach(job, profile, args.log_dir)
         except BaseException as exc:
@@ -446,18 +451,18 @@ class DDPMagics(Magics):
     def ddp_stacks(self, line: str):
         """Show where every rank of a running job is (its Python stack, ranks with the same stack together):
         ``%ddp_stacks`` for the latest running background job or the warm pool's, ``%ddp_stacks 3`` for job #3."""
-        running = [job for job in engine_job.background_jobs() if job.status == "running"]
-        warm = pool_module.current()
-        if warm is not None and warm.busy is not None and warm.busy not in running:
-            running.append(warm.busy)
-        if line.strip():
-            running = [job for job in running if str(job.task_id) == line.strip().lstrip("#")]
-        if not running:
-            print("no running background or warm-pool job" + (f" #{line.strip()}" if line.strip() else "")
-                  + " (a hung foreground cell: kill -USR2 <the kernel's pid>, see docs/long-runs.md)")
-            return
-        job = running[-1]
-        print(f"job #{job.task_id}:\n{job.stacks()}")
+        job = _running_job(line)
+        if job is not None:
+            print(f"job #{job.task_id}:\n{job.stacks()}")
+
+    @line_magic
+    def ddp_why(self, line: str):
+        """Say why a running job is stuck: which ranks wait in which collective (torch's Flight Recorder), which
+        rank has not joined it and where it is, which ranks finished already (``job.why()``).  ``%ddp_why`` for the
+        latest running background job or the warm pool's, ``%ddp_why 3`` for job #3."""
+        job = _running_job(line)
+        if job is not None:
+            print(f"job #{job.task_id}:\n{job.why()}")
 
     @line_magic
     def ddp_debug(self, line: str):
@@ -504,6 +509,23 @@ class DDPMagics(Magics):
                 raise UsageError(str(exc)) from None
             return None
         return picker.gpu_picker()
+
+
+def _running_job(line: str):
+    """The job ``%ddp_stacks``/``%ddp_why`` look at: the latest running background or warm-pool job, or job #N
+    (``line``); None, said why, when there is none."""
+    running = [job for job in engine_job.background_jobs() if job.status == "running"]
+    warm = pool_module.current()
+    if warm is not None and warm.busy is not None and warm.busy not in running:
+        running.append(warm.busy)
+    if line.strip():
+        running = [job for job in running if str(job.task_id) == line.strip().lstrip("#")]
+    if not running:
+        print("no running background or warm-pool job" + (f" #{line.strip()}" if line.strip() else "")
+              + " (a hung foreground cell: kill -USR2 <the kernel's pid>, see docs/long-runs.md; a foreground "
+                "cell says why it is stuck by itself after --hang-after)")
+        return None
+    return running[-1]
 
 
 def _notebook_value(shell, flag: str, name: str, hint: str = ""):

@@ -22,7 +22,8 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import context, debugging, display, profiling, replicas, sharded, stopping, streams, timing
+from . import (collectives, context, debugging, display, profiling, replicas, sharded, stopping, streams,
+               timing)
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -459,6 +460,7 @@ def serve(boot: dict) -> None:
         stacks = os.fdopen(os.open(protocol.stacks_path(_job_dir, boot["rank"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                                    0o600), "a")  # private, whatever the umask of the process it was forked from
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        collectives.install(_job_dir, boot["rank"])  # job.why(): the collectives it called, read on request
 
     conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]), boot.get("startup_timeout"))
     sender = channel.Sender(conn)

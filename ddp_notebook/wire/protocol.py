@@ -45,6 +45,7 @@ EXITED = "exited"  # {code}: a rank's process ended (code None: on another host)
 ENDED = "ended"  # {ok}
 SCHEDULER = "scheduler"  # {scheduler, job, state, reason, since[, mode, why]}: a scheduled job's place in its queue
 STOPPING = "stopping"  # {by, grace}: a graceful stop was asked; the ranks stop at the next batch boundary
+HANG = "hang"  # {text}: no progress for hang_after seconds; why (engine/hangs.py)
 RESTARTED = "restarted"  # {attempt, attempts, cause, failure}: an attempt failed; the task runs again on fresh ranks
 
 # Metric records: what report() sends, reduced over ranks in the notebook.
@@ -67,6 +68,16 @@ SLURM_RUN_SUFFIX = "_ddp_notebook"  # a Slurm job's run directory: <job folder>/
 def stacks_path(job_dir: str, rank: int) -> str:
     """Where a rank's faulthandler writes its Python stacks on SIGUSR1 (``job.stacks()``)."""
     return os.path.join(job_dir, f"stacks-rank{rank}.txt")
+
+
+def collectives_path(job_dir: str, rank: int) -> str:
+    """Where a rank writes its Flight Recorder's collectives (JSON) when asked (``job.why()``)."""
+    return os.path.join(job_dir, f"collectives-rank{rank}.json")
+
+
+def collectives_request_path(job_dir: str, rank: int) -> str:
+    """The FIFO the notebook writes a byte into to ask a rank for its collectives (``collectives_path``)."""
+    return os.path.join(job_dir, f"collectives-rank{rank}.fifo")
 
 
 def metrics_path(run_dir: str, node: int) -> str:

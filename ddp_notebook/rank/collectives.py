@@ -1,0 +1,83 @@
+"""The collectives a rank has called, read from torch's Flight Recorder on request (``job.why()``).
+
+A rank blocked in a collective is stuck in C++ on its main thread, so the record is read on a thread of its own:
+it waits on a FIFO in the job's directory; each byte the notebook writes there makes it write the Flight
+Recorder's entries (name, sequence number, sizes, completed or not, when made) as JSON beside it.  The Flight
+Recorder keeps entries when ``TORCH_FR_BUFFER_SIZE`` is set as the process group is made (the rank's environment
+sets it: ``engine.backend.rank_environment``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+import time
+
+from ..wire import protocol
+
+_KEPT = 64  # the newest entries of each process group: the ones a hang is about
+
+
+def entries() -> list[dict]:
+    """The Flight Recorder's newest entries: ``{"group", "seq", "name", "sizes", "done", "created"}`` each."""
+    import torch
+
+    c10d = torch._C._distributed_c10d
+    if hasattr(c10d, "_dump_fr_trace_json"):  # without the Python stacks, whose symbols take seconds at first
+        record = json.loads(c10d._dump_fr_trace_json(True, False))
+    elif hasattr(c10d, "_dump_fr_trace"):
+        record = pickle.loads(c10d._dump_fr_trace())
+    else:
+        return []
+    found = []
+    for entry in record.get("entries", [])[-_KEPT * 4:]:
+        if entry.get("is_p2p"):
+            continue
+        found.append({
+            "group": str(entry.get("process_group", ("0",))[0]),
+            "seq": int(entry.get("collective_seq_id", 0)),
+            "name": str(entry.get("profiling_name", "?")).split(":")[-1],
+            "sizes": entry.get("input_sizes") or [],
+            "done": bool(entry.get("retired")) or entry.get("state") == "completed",
+            "created": (entry.get("time_created_ns") or 0) / 1e9,
+        })
+    return found[-_KEPT:]
+
+
+def _write(job_dir: str, rank: int) -> None:
+    try:
+        body = {"rank": rank, "entries": entries(), "time": time.time()}
+    except Exception as exc:  # noqa: BLE001 - said in the diagnosis instead
+        body = {"rank": rank, "entries": [], "error": f"{type(exc).__name__}: {exc}", "time": time.time()}
+    path = protocol.collectives_path(job_dir, rank)
+    temp = f"{path}.{os.getpid()}.tmp"
+    with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+        json.dump(body, handle)
+    os.replace(temp, path)  # the notebook never reads half a file
+
+
+def _serve(job_dir: str, rank: int, fifo: str) -> None:
+    while True:
+        try:
+            fd = os.open(fifo, os.O_RDONLY)  # waits for the notebook to open it for writing
+        except OSError:
+            return
+        try:
+            while os.read(fd, 64):
+                pass
+        finally:
+            os.close(fd)
+        _write(job_dir, rank)
+
+
+def install(job_dir: str, rank: int) -> None:
+    """Answer the notebook's requests for this rank's collectives, on a thread of their own."""
+    fifo = protocol.collectives_request_path(job_dir, rank)
+    try:
+        if os.path.exists(fifo):
+            os.unlink(fifo)  # a warm pool's earlier rank of the same number
+        os.mkfifo(fifo, 0o600)
+    except OSError:
+        return
+    threading.Thread(target=_serve, args=(job_dir, rank, fifo), name="ddp-collectives", daemon=True).start()

@@ -196,8 +196,8 @@ def stage(key: Hashable, path: str, state: Any) -> Any:
             raise StagingMemoryError(
                 f"save_checkpoint({path!r}, background=True) needs {_size_text(needed)} of CPU memory for its "
                 f"staging copy of this rank's state ({_size_text(held)} of it already held), and "
-                f"{_size_text(available)} are available: nothing was saved; save with background=False (it needs "
-                f"no copy), or free memory")
+                f"{_size_text(available)} are available, of which {_size_text(HEADROOM_BYTES)} are left to the "
+                f"rest: nothing was saved; save with background=False (it needs no copy), or free memory")
     if stager is None:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
@@ -215,7 +215,8 @@ def close_staging() -> None:
 
 
 def _size_text(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else \
+        f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 @atexit.register

@@ -269,7 +269,7 @@ def test_a_staging_copy_that_does_not_fit_is_refused_before_anything_is_written(
     path = str(tmp_path / "model.pt")
     model = torch.nn.Linear(256, 256)  # 257 KiB of weights, and the RNG state
     monkeypatch.setattr(background_saves, "available_memory", lambda: background_saves.HEADROOM_BYTES + 100 * 2**10)
-    with pytest.raises(background_saves.StagingMemoryError) as refused:
+    with pytest.raises(ddp_notebook.StagingMemoryError) as refused:
         ddp_notebook.save_checkpoint(path, model, epoch=1, background=True)
     assert str(refused.value).startswith(f"save_checkpoint({path!r}, background=True) needs 266.8 KiB of CPU memory "
                                          f"for its staging copy of this rank's state (0 bytes of it already held), "
@@ -316,7 +316,7 @@ def _fill_in_the_background(path, then_save_again):
     if then_save_again:
         try:
             ddp_notebook.save_checkpoint(path, small, epoch=3)
-        except background_saves.BackgroundSaveError as exc:
+        except ddp_notebook.BackgroundSaveError as exc:
             return {"raised": str(exc), "cause_errno": exc.__cause__.errno}
     return {"raised": None}
 
@@ -395,3 +395,39 @@ def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(
     model = torch.nn.Linear(4, 2)
     info = ddp_notebook.load_checkpoint(path, model, restore_rng=False)  # ... and the checkpoint is the previous one
     assert info.epoch == 1 and torch.equal(model.weight, torch.full((2, 4), 1.0))
+
+
+# -- the dashboard ------------------------------------------------------------------------------------
+
+def _saves_once_in_the_background(path):
+    ddp_notebook.save_checkpoint(path, torch.nn.Linear(64, 64), epoch=1, background=True)
+
+
+def test_the_dashboard_shows_a_background_save_and_how_long_the_training_was_blocked(tmp_path):
+    from ddp_notebook.notebook import dashboard
+
+    path = str(tmp_path / "last.pt")
+    seen = []
+    real = dashboard.saving_text
+
+    def shown(body):
+        seen.append(body)
+        return real(body)
+
+    dashboard.saving_text = shown
+    try:
+        ddp_notebook.launch(_saves_once_in_the_background, (path,), cpus=2)
+    finally:
+        dashboard.saving_text = real
+    watcher, = [w for w in ddp_notebook.last_job().listeners if isinstance(w, dashboard.Watcher)]
+    started, written = seen  # rank 0's save alone: it is the one that writes the model
+    assert started["path"] == written["path"] == path and started["written_s"] is None
+    assert written["blocked_s"] == started["blocked_s"] > 0 and written["written_s"] > 0
+    blocked = f"{started['blocked_s']:.2f}"
+    assert dashboard.saving_text(started) == f"saving last.pt in the background (training blocked {blocked} s)"
+    assert watcher.status.saving == (f"last.pt saved in the background (training blocked {blocked} s, written in "
+                                     f"{written['written_s']:.1f} s)")
+    watcher.status.outcome = None  # as while the job runs: the status line shows it last
+    assert watcher.status.line(None, time.time()).endswith(" · " + watcher.status.saving)
+    assert dashboard.saving_text({**written, "error": "OSError: no space"}) == \
+        f"background save of last.pt failed (training blocked {blocked} s)"

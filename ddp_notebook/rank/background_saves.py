@@ -19,6 +19,9 @@ import threading
 import time
 from typing import Any, Callable, Hashable
 
+from ..wire import protocol
+from . import context
+
 
 # Memory a background save leaves to everything else when it checks that its staging copy fits.
 HEADROOM_BYTES = 256 * 2**20
@@ -42,8 +45,9 @@ class StagingMemoryError(MemoryError):
 class BackgroundSave:
     """One checkpoint being written in a thread of its own."""
 
-    def __init__(self, path: str, write: Callable[[], None], blocked_s: float):
+    def __init__(self, path: str, write: Callable[[], None], blocked_s: float, tell: bool):
         self.path = path
+        self.tell = tell  # on the dashboard: rank 0's saves
         self.blocked_s = blocked_s  # how long the training waited for the state to be captured
         self.started = time.monotonic()
         self.error: BaseException | None = None
@@ -58,6 +62,17 @@ class BackgroundSave:
             self.error = exc
         finally:
             self._write = None  # (its staged state goes)
+            self._tell(time.monotonic() - self.started)
+
+    def _tell(self, written_s: float | None) -> None:
+        """Show the save on the dashboard: started (``written_s`` None), written, or failed."""
+        if not self.tell:
+            return
+        ctx = context.current()
+        task = {"task": ctx.extra["task"]} if ctx is not None and "task" in ctx.extra else {}
+        error = f"{type(self.error).__name__}: {self.error}" if self.error is not None else None
+        context.send(protocol.SAVING, {**task, "path": self.path, "blocked_s": self.blocked_s,
+                                       "written_s": written_s, "error": error})
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -76,13 +91,14 @@ class BackgroundSave:
         return error
 
 
-def start(path: str, key: Hashable, write: Callable[[], None], blocked_s: float) -> BackgroundSave:
+def start(path: str, key: Hashable, write: Callable[[], None], blocked_s: float, tell: bool) -> BackgroundSave:
     """Run ``write()`` in a new thread as the background save of ``path``, from the staging copy of ``key`` (call
-    :func:`wait` first)."""
-    save = BackgroundSave(path, write, blocked_s)
+    :func:`wait` first); ``tell``: show it on the dashboard (``protocol.SAVING``)."""
+    save = BackgroundSave(path, write, blocked_s, tell)
     with _lock:
         _in_flight[path] = save
         _last_of_key[key] = save
+    save._tell(None)
     save._thread.start()
     return save
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import background_saves, context, sharded
+from .background_saves import BackgroundSaveError, StagingMemoryError  # noqa: F401 - ddp_notebook's names
 from .data import rank_and_world_size
 from ..wire import protocol, safe_files
 from ..wire.payload import unwrap_model
@@ -436,7 +437,7 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
     if background is None:
         write()
     else:
-        background_saves.start(path, background, lambda: write(group), blocked_s)
+        background_saves.start(path, background, lambda: write(group), blocked_s, tell=rank == 0)
     return path
 
 
@@ -805,7 +806,7 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
     if key is None:
         write()
     else:
-        background_saves.start(path, key, write, time.perf_counter() - started)
+        background_saves.start(path, key, write, time.perf_counter() - started, tell=rank == 0)
     return path
 
 

@@ -242,6 +242,11 @@ def test_a_load_waits_for_the_background_save_of_its_path_and_a_save_for_the_one
         held.release()
         assert ddp_notebook.resume(path, loaded) == 5
         assert torch.equal(loaded.weight, torch.full((2, 4), 4.0))
+        held.gate.clear()
+        ddp_notebook.save_checkpoint(path, model, epoch=5, background=True)
+        threading.Timer(0.3, held.release).start()
+        ddp_notebook.wait_for_checkpoints()  # (what a rank does before another rank reads the file)
+        assert torch.load(path, weights_only=True)["epoch"] == 5  # a plain read, which waits for nothing
     finally:
         held.restore()
     background_saves.finish()
@@ -431,3 +436,26 @@ def test_the_dashboard_shows_a_background_save_and_how_long_the_training_was_blo
     assert watcher.status.line(None, time.time()).endswith(" · " + watcher.status.saving)
     assert dashboard.saving_text({**written, "error": "OSError: no space"}) == \
         f"background save of last.pt failed (training blocked {blocked} s)"
+
+
+def _sharded_saves_to_two_paths(workdir):
+    """An FSDP2 model saved in the background to two paths in turn, a step between the saves."""
+    spec = {"dims": [5, 9, 3], "dtype": "fp32", "buffers": [0], "optimizer": "adamw"}
+    model, optimizer = _build(spec, seed=0, wrap="fsdp2")
+    states = []
+    for i in range(4):
+        _step(model, optimizer, spec, seed=i)
+        ddp_notebook.save_checkpoint(os.path.join(workdir, "ab"[i % 2]), model, optimizer, i, background=True)
+        states.append(_whole_state(model, optimizer)[0])
+    ddp_notebook.wait_for_checkpoints()
+    return states
+
+
+@pytest.mark.slow
+def test_background_saves_of_a_sharded_model_to_two_paths_go_one_at_a_time(tmp_path, no_leftovers):
+    states = ddp_notebook.launch(_sharded_saves_to_two_paths, (str(tmp_path),), cpus=2)[0]
+    spec = {"dims": [5, 9, 3], "dtype": "fp32", "buffers": [0], "optimizer": "adamw"}
+    for name, epoch in (("a", 2), ("b", 3)):
+        model, _ = _build(spec, seed=9, wrap="plain")
+        assert ddp_notebook.load_checkpoint(str(tmp_path / name), model).epoch == epoch
+        _assert_same(model.state_dict(), states[epoch], f"checkpoint {name}")

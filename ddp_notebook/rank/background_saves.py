@@ -108,6 +108,11 @@ def in_flight(path: str) -> BackgroundSave | None:
     return save if save is not None and not save.done() else None
 
 
+def paths() -> list[str]:
+    """The paths of the background saves in flight, or failed and not raised yet."""
+    return list(_in_flight)
+
+
 def wait(path: str) -> None:
     """Wait for the background save of ``path``, if one is in flight; raise its error if it failed."""
     save = _in_flight.get(path)

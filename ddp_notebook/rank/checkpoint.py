@@ -55,6 +55,7 @@ ARRIVAL_TIMEOUT_S = 10.0
 _save_counts: dict[str, int] = {}
 _meetings: dict[tuple[str, str], int] = {}
 _background_group: tuple[Any, Any] | None = None  # (the default process group, the gloo group background saves use)
+_last_sharded_background: str | None = None  # the path of this rank's latest background save of a sharded model
 
 
 class ResumeWarning(UserWarning):
@@ -396,10 +397,16 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    global _last_sharded_background
     rank, world_size = rank_and_world_size()
     record["extra"] = _plain(record["extra"])
     _check_weights_only(record["extra"], "extra value")
     _checkpoint_folder(path, None)  # (before the meeting, writing nothing: refused on every rank alike)
+    if _last_sharded_background is not None:
+        # One sharded save in flight at a time, whatever its path: its collectives (in the one group background
+        # saves use) then come in the same order on every rank.
+        background_saves.wait(_last_sharded_background)
+        _last_sharded_background = None
     meeting = _meet_every_rank("save_checkpoint", path)
     folder = os.path.join(path, meeting.folder_name)
     try:
@@ -438,6 +445,7 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
         write()
     else:
         background_saves.start(path, background, lambda: write(group), blocked_s, tell=rank == 0)
+        _last_sharded_background = path
     return path
 
 
@@ -808,6 +816,18 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
     else:
         background_saves.start(path, key, write, time.perf_counter() - started, tell=rank == 0)
     return path
+
+
+def wait_for_checkpoints(path: str | os.PathLike | None = None) -> None:
+    """Wait until this rank's checkpoints being written in the background (to ``path``, or all of them) are on
+    disk; raise the error of one that failed (``BackgroundSaveError``, naming its path).  Before a barrier after
+    which another rank loads what this one saved (``load_checkpoint`` and ``resume`` wait only for their own
+    rank's saves)."""
+    if path is None:
+        for save_path in background_saves.paths():
+            background_saves.wait(save_path)
+    else:
+        background_saves.wait(os.path.abspath(os.fspath(path)))
 
 
 @dataclass(repr=False)

@@ -459,3 +459,33 @@ def test_background_saves_of_a_sharded_model_to_two_paths_go_one_at_a_time(tmp_p
         model, _ = _build(spec, seed=9, wrap="plain")
         assert ddp_notebook.load_checkpoint(str(tmp_path / name), model).epoch == epoch
         _assert_same(model.state_dict(), states[epoch], f"checkpoint {name}")
+
+
+def _sharded_save_one_rank_cannot_stage(path):
+    """Rank 1 has no memory for its staging copy: every rank refuses the save; a blocking save then goes through."""
+    import torch.distributed as dist
+
+    spec = {"dims": [5, 9, 3], "dtype": "fp32", "buffers": [], "optimizer": "adamw"}
+    model, optimizer = _build(spec, seed=0, wrap="fsdp2")
+    if dist.get_rank() == 1:
+        background_saves.available_memory = lambda: 0
+    try:
+        ddp_notebook.save_checkpoint(path, model, optimizer, 1, background=True)
+        refused = None
+    except ddp_notebook.StagingMemoryError as exc:
+        refused = str(exc)
+    written = os.listdir(path) if os.path.isdir(path) else []
+    dist.barrier()
+    ddp_notebook.save_checkpoint(path, model, optimizer, 2)
+    return refused, written
+
+
+@pytest.mark.slow
+def test_a_sharded_save_that_one_rank_cannot_stage_is_refused_on_every_rank(tmp_path, no_leftovers):
+    path = str(tmp_path / "fsdp")
+    ranks = ddp_notebook.launch(_sharded_save_one_rank_cannot_stage, (path,), cpus=2)
+    for refused, written in ranks:
+        assert refused.startswith("Rank 1 cannot stage a copy of its part of the checkpoint, so no rank saves it: "
+                                  f"rank 1: save_checkpoint({path!r}, background=True) needs "), refused
+        assert checkpoint.SHARDED_INDEX not in written  # no checkpoint was made
+    assert ddp_notebook.load_checkpoint(path).epoch == 2

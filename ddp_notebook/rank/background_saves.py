@@ -199,6 +199,22 @@ def available_memory() -> int:
     return available
 
 
+def check_fits(key: Hashable, path: str, state: Any) -> None:
+    """Refuse (:class:`StagingMemoryError`) a staging copy of ``state`` that does not fit in the memory left (less
+    :data:`HEADROOM_BYTES`), counting what the staging memory of ``key`` already holds."""
+    needed = state_bytes(state)
+    _, held = _stagers.get(key, (None, 0))
+    if needed <= held:
+        return
+    available = available_memory()
+    if needed - held + HEADROOM_BYTES > available:
+        raise StagingMemoryError(
+            f"save_checkpoint({path!r}, background=True) needs {_size_text(needed)} of CPU memory for its "
+            f"staging copy of this rank's state ({_size_text(held)} of it already held), and "
+            f"{_size_text(available)} are available, of which {_size_text(HEADROOM_BYTES)} are left to the "
+            f"rest: nothing was saved; save with background=False (it needs no copy), or free memory")
+
+
 def stage(key: Hashable, path: str, state: Any) -> Any:
     """A CPU copy of ``state`` (tensors copied, the rest deep-copied) in the staging memory of ``key``, reused from
     its last save: pinned when CUDA is in use.  Refuses (:class:`StagingMemoryError`) a copy that does not fit."""
@@ -208,22 +224,13 @@ def stage(key: Hashable, path: str, state: Any) -> Any:
     last = _last_of_key.get(key)
     if last is not None:
         last.wait()  # (its copy is about to be overwritten; its error is raised by its path)
-    needed = state_bytes(state)
+    check_fits(key, path, state)
     stager, held = _stagers.get(key, (None, 0))
-    growth = needed - held
-    if growth > 0:
-        available = available_memory()
-        if growth + HEADROOM_BYTES > available:
-            raise StagingMemoryError(
-                f"save_checkpoint({path!r}, background=True) needs {_size_text(needed)} of CPU memory for its "
-                f"staging copy of this rank's state ({_size_text(held)} of it already held), and "
-                f"{_size_text(available)} are available, of which {_size_text(HEADROOM_BYTES)} are left to the "
-                f"rest: nothing was saved; save with background=False (it needs no copy), or free memory")
     if stager is None:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
-    _stagers[key] = (stager, max(needed, held))
+    _stagers[key] = (stager, max(state_bytes(state), held))
     return stager.stage(state)
 
 

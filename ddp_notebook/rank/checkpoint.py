@@ -419,8 +419,9 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
         everything = {"rng": rng_state(), "record": record, "state": state}
         if background is not None:
             started = time.perf_counter()
-            everything = background_saves.stage(background, path, everything)
+            _every_rank_can_stage(meeting, background, path, everything)
             group = _gloo_group_for_background_saves()
+            everything = background_saves.stage(background, path, everything)
             blocked_s = time.perf_counter() - started
     except BaseException:
         if rank == 0:
@@ -449,12 +450,38 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
     return path
 
 
+def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any) -> None:
+    """Every rank checks that its staging copy fits, and all learn what the others found: a rank that cannot
+    stage refuses on every rank alike (where the others, going on alone, would wait for it in the write's
+    collectives)."""
+    rank, world_size = rank_and_world_size()
+    try:
+        background_saves.check_fits(key, path, state)
+        refusal = ""
+    except StagingMemoryError as exc:
+        refusal = str(exc)
+    if world_size == 1:
+        if refusal:
+            raise StagingMemoryError(refusal)
+        return
+    store = _store()
+    store.set(f"{meeting.key}/staging/rank{rank}", refusal)
+    keys = [f"{meeting.key}/staging/rank{r}" for r in range(world_size)]
+    store.wait(keys, dist.constants.default_pg_timeout)
+    refused = {r: store.get(k).decode() for r, k in enumerate(keys)}
+    refused = {r: text for r, text in refused.items() if text}
+    if refused:
+        first = min(refused)
+        raise StagingMemoryError(f"{_ranks_text(sorted(refused)).capitalize()} cannot stage a copy of its part of "
+                                 f"the checkpoint, so no rank saves it: rank {first}: {refused[first]}")
+
+
 def _gloo_group_for_background_saves() -> Any:
     """A gloo group of every rank, for the collectives of sharded saves written in a thread while training goes on
     in the default group (two threads' collectives in one group would interleave).  Made by the first background
     save of a sharded model, which every rank makes."""
     global _background_group
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     if _background_group is None or _background_group[0] is not default:
         _background_group = (default, dist.new_group(backend="gloo"))
     return _background_group[1]

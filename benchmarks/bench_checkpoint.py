@@ -16,8 +16,9 @@ into (default: the system's temporary folder).
   FSDP2 rank its shards) into buffers allocated before (``copy_``), what any staging copy costs here.
 - loop (a ``--loop-mib`` state: a CPU step of the 1 GiB one takes seconds here): segments of ``3 * every`` training
   steps (forward, backward, AdamW step), alternately saving in the
-  background every ``every`` steps (the first save half-way through the first ``every``) and never saving; a
-  segment's time includes waiting for its last write.  The ratio is of the median steps per second.
+  background every ``every`` steps (the first save half-way through the first ``every``), never saving, and only
+  copying the state as often (the floor: the staging copy without the write); a segment's time includes waiting for
+  its last write.  The ratios are of the median steps per second.
 """
 from __future__ import annotations
 
@@ -110,19 +111,26 @@ def _loop_task(kind: str, mib: int, every: int, segments: int, folder: str) -> d
     import ddp_notebook
     from ddp_notebook.rank import background_saves
 
+    import torch
+
     model, optimizer = _model(kind, mib)
     path = os.path.join(folder, f"{kind}-loop")
     steps = 3 * every
-    rates: dict[str, list[float]] = {"saving": [], "never": []}
-    order = ["never", "saving"]
+    rates: dict[str, list[float]] = {"saving": [], "never": [], "copying": []}
+    order = ["never", "saving", "copying"]
+    tensors = _local_tensors(model, optimizer) if kind == "fsdp2" or dist.get_rank() == 0 else []
+    buffers = [torch.empty_like(t) for t in tensors]
     for segment in range(segments + 1):  # the first pair warms up
         for name in (order if segment % 2 == 0 else order[::-1]):
             dist.barrier()
             started = time.perf_counter()
-            for step in range(steps):
+            for step in range(steps):  # (a rank saving or copying more than the other makes both wait for it)
                 _step(model, optimizer)
                 if name == "saving" and step % every == every // 2:
                     ddp_notebook.save_checkpoint(path, model, optimizer, step, background=True)
+                elif name == "copying" and step % every == every // 2:  # the floor: the staging copy, no write
+                    for buffer, tensor in zip(buffers, tensors):
+                        buffer.copy_(tensor)
             background_saves.wait(path)
             dist.barrier()
             if segment:
@@ -166,7 +174,8 @@ def main() -> None:
                 rates = ranks[0]
                 medians = {name: statistics.median(v) for name, v in rates.items()}
                 out[f"{kind} loop"] = {"steps_per_s": rates, "median": medians,
-                                       "ratio": medians["saving"] / medians["never"]}
+                                       "ratio": medians["saving"] / medians["never"],
+                                       "floor_ratio": medians["copying"] / medians["never"]}
             print(json.dumps({k: v for k, v in out.items() if k.startswith(kind)}), flush=True)
     print(json.dumps(out, indent=1))
 

@@ -272,11 +272,11 @@ def test_best_checkpoints_in_the_background_keep_exactly_the_best_files(tmp_path
 
 def test_a_staging_copy_that_does_not_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     path = str(tmp_path / "model.pt")
-    model = torch.nn.Linear(256, 256)  # 257 KiB of weights, and the RNG state
+    model = torch.nn.Linear(256, 256)  # 257 KiB of weights and bias
     monkeypatch.setattr(background_saves, "available_memory", lambda: background_saves.HEADROOM_BYTES + 100 * 2**10)
     with pytest.raises(ddp_notebook.StagingMemoryError) as refused:
         ddp_notebook.save_checkpoint(path, model, epoch=1, background=True)
-    assert str(refused.value).startswith(f"save_checkpoint({path!r}, background=True) needs 266.8 KiB of CPU memory "
+    assert str(refused.value).startswith(f"save_checkpoint({path!r}, background=True) needs 257.0 KiB of CPU memory "
                                          f"for its staging copy of this rank's state (0 bytes of it already held), "
                                          f"and 256.1 MiB are available, of which 256.0 MiB are left to the rest: "
                                          f"nothing was saved; save with background=False")

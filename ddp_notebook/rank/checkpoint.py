@@ -421,7 +421,8 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
             started = time.perf_counter()
             _every_rank_can_stage(meeting, background, path, everything)
             group = _gloo_group_for_background_saves()
-            everything = background_saves.stage(background, path, everything)
+            staged = background_saves.stage(background, path, {"record": record, "state": state})
+            everything = {**staged, "rng": everything["rng"]}  # (the RNG state is a copy already)
             blocked_s = time.perf_counter() - started
     except BaseException:
         if rank == 0:
@@ -830,8 +831,8 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
             "epoch": epoch, "sampler_epoch": sampler_epoch, "world_size": world_size, "rng_tag": tag,
             "extra": extra,
         }
-    if key is not None:
-        checkpoint, rng = background_saves.stage(key, path, (checkpoint, rng))
+    if key is not None and checkpoint is not None:  # (the RNG state is a copy already)
+        checkpoint = background_saves.stage(key, path, checkpoint)
 
     def write() -> None:
         if checkpoint is not None:

@@ -489,3 +489,48 @@ def test_a_sharded_save_that_one_rank_cannot_stage_is_refused_on_every_rank(tmp_
                                   f"rank 1: save_checkpoint({path!r}, background=True) needs "), refused
         assert checkpoint.SHARDED_INDEX not in written  # no checkpoint was made
     assert ddp_notebook.load_checkpoint(path).epoch == 2
+
+
+# -- a graceful stop ----------------------------------------------------------------------------------
+
+def _trains_saving_slowly_in_the_background(path, marks):
+    """Each epoch a background save whose write takes a second (the write sleeps first); marks the epochs whose
+    save call returned."""
+    import time
+
+    import torch.distributed as dist
+
+    save = torch.save
+    trainer = threading.current_thread()
+
+    def slow_save(*args, **kwargs):
+        if threading.current_thread() is not trainer:
+            time.sleep(1.0)
+        return save(*args, **kwargs)
+
+    torch.save = slow_save
+    model = torch.nn.Linear(4, 2)
+    loader = ddp_notebook.distributed_loader(torch.utils.data.TensorDataset(torch.randn(40, 4)), batch_size=2)
+    for epoch in range(1000):
+        for _ in loader:
+            time.sleep(0.01)
+        with torch.no_grad():
+            model.weight.fill_(float(epoch))
+        ddp_notebook.save_checkpoint(path, model, epoch=epoch, background=True)
+        if dist.get_rank() == 0:
+            with open(os.path.join(marks, str(epoch)), "w"):
+                pass
+
+
+def test_a_graceful_stop_ends_the_task_once_its_background_write_is_on_disk(tmp_path, no_leftovers):
+    path, marks = str(tmp_path / "last.pt"), tmp_path / "marks"
+    marks.mkdir()
+    job = ddp_notebook.launch(_trains_saving_slowly_in_the_background, (path, str(marks)), cpus=2, background=True)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(marks)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.stop()
+    assert job.wait() == [None, None] and job.status == "stopped"
+    last = max(int(name) for name in os.listdir(marks))
+    saved = torch.load(path, weights_only=True)  # read at once: the job's end waited for the write
+    assert saved["epoch"] == last and torch.equal(saved["model"]["weight"], torch.full((2, 4), float(last)))

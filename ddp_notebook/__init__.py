@@ -32,7 +32,8 @@ __all__ = [
 # Rank-side helpers that import torch: loaded on first use, never by importing the package.
 _DATA_NAMES = ("distributed_loader", "all_reduce_metrics", "DistributedLoader", "ExactDistributedSampler", "ShardSampler")
 _CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "resume", "BestCheckpoint", "LoadedCheckpoint", "ResumeWarning",
-                     "clean_state_dict", "unwrap_model")
+                     "clean_state_dict", "unwrap_model", "BackgroundSaveError", "StagingMemoryError",
+                     "wait_for_checkpoints")
 
 
 def __getattr__(name):

@@ -12,9 +12,10 @@ from nbrun import execute, kernel
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def _train(checkpoint, epochs, kill_at_epoch, sharded=False):
+def _train(checkpoint, epochs, kill_at_epoch, sharded=False, background=False):
     """A seeded 2-rank DDP (or FSDP2, ``sharded``) loop with dropout (every rank's RNG matters) that checkpoints
-    each epoch; rank 1 kills itself with SIGKILL in the middle of ``kill_at_epoch`` of attempt 0 (None: no fault)."""
+    each epoch (``background``: written in the background); rank 1 kills itself with SIGKILL in the middle of
+    ``kill_at_epoch`` of attempt 0 (None: no fault)."""
     import os
     import signal
 
@@ -42,13 +43,16 @@ def _train(checkpoint, epochs, kill_at_epoch, sharded=False):
         for batch, (x, y) in enumerate(loader):
             if epoch == kill_at_epoch and batch == 2 and dist.get_rank() == 1 and ddp_notebook.attempt() == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if epoch == kill_at_epoch and batch == 1 and background:  # (the last epoch's save is whole by the kill)
+                ddp_notebook.load_checkpoint(checkpoint)
+                dist.barrier()
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             optimizer.step()
             total += loss.detach()
         ddp_notebook.report(epoch=epoch, loss=float(total), epochs=epochs)
-        ddp_notebook.save_checkpoint(checkpoint, model, optimizer, epoch, loader=loader)
+        ddp_notebook.save_checkpoint(checkpoint, model, optimizer, epoch, loader=loader, background=background)
     if sharded:
         weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
     else:
@@ -56,11 +60,13 @@ def _train(checkpoint, epochs, kill_at_epoch, sharded=False):
     return {"attempt": ddp_notebook.attempt(), "start": start, "weights": weights}
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp2"])
-def test_a_killed_rank_restarts_and_resumes_to_the_same_weights_bit_for_bit(tmp_path, sharded, no_leftovers):
+@pytest.mark.parametrize("sharded,background", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["ddp", "fsdp2", "ddp-background-saves", "fsdp2-background-saves"])
+def test_a_killed_rank_restarts_and_resumes_to_the_same_weights_bit_for_bit(tmp_path, sharded, background,
+                                                                             no_leftovers):
     clean = ddp_notebook.launch(_train, (str(tmp_path / "clean.pt"), 6, None, sharded), cpus=2, seed=7)
-    faulted = ddp_notebook.launch(_train, (str(tmp_path / "faulted.pt"), 6, 3, sharded), cpus=2, seed=7,
-                                  max_restarts=1)
+    faulted = ddp_notebook.launch(_train, (str(tmp_path / "faulted.pt"), 6, 3, sharded, background), cpus=2,
+                                  seed=7, max_restarts=1)
     job = ddp_notebook.last_job()
     assert [r["attempt"] for r in faulted] == [1, 1]
     assert [r["start"] for r in faulted] == [3, 3]  # the checkpoint of epoch 2 was the last one saved

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 import sys
 import threading
 import time
@@ -112,6 +113,7 @@ class Status:
         self.stopping: str | None = None  # a graceful stop under way
         self.returned: set[int] = set()  # ranks that sent their result (their process may end before the job)
         self.restart: str | None = None  # the latest restart: "rank 1 died (SIGKILL) at epoch 3 — attempt 2 of 3"
+        self.saving: str | None = None  # the latest checkpoint saved in the background: "saving last.pt (blocked 0.12 s)"
         self.queued: str | None = None  # "Slurm job 1234 (Resources)" while a scheduler holds the job
         self.queued_since: float | None = None
 
@@ -197,7 +199,20 @@ class Status:
             parts.append(self.restart)
         if self.stopping and not stopped:
             parts.append(self.stopping)
+        if self.saving:
+            parts.append(self.saving)
         return " · ".join(parts)
+
+
+def saving_text(body: dict) -> str:
+    """A checkpoint being written in the background, written or failed, and how long the training waited for it."""
+    name = os.path.basename(body["path"])
+    blocked = f"training blocked {body['blocked_s']:.2f} s"
+    if body.get("error"):
+        return f"background save of {name} failed ({blocked})"
+    if body.get("written_s") is None:
+        return f"saving {name} in the background ({blocked})"
+    return f"{name} saved in the background ({blocked}, written in {body['written_s']:.1f} s)"
 
 
 class Series:
@@ -734,6 +749,9 @@ class Watcher:
                 self.status.stopping = f"stopping at the next batch (asked by {body['by']})"
         elif kind == protocol.RESTARTED:
             self._restarted(body)
+        elif kind == protocol.SAVING:
+            with self.lock:
+                self.status.saving = saving_text(body)
         elif kind == protocol.RESUMED:
             with self.lock:
                 self.status.restart = f"{self.status.restart}, resuming from epoch {body['epoch']}" \

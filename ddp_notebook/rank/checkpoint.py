@@ -35,7 +35,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import context, sharded
+from . import background_saves, context, sharded
+from .background_saves import BackgroundSaveError, StagingMemoryError  # noqa: F401 - ddp_notebook's names
 from .data import rank_and_world_size
 from ..wire import protocol, safe_files
 from ..wire.payload import unwrap_model
@@ -53,6 +54,8 @@ ARRIVAL_TIMEOUT_S = 10.0
 
 _save_counts: dict[str, int] = {}
 _meetings: dict[tuple[str, str], int] = {}
+_background_group: tuple[Any, Any] | None = None  # (the default process group, the gloo group background saves use)
+_last_sharded_background: str | None = None  # the path of this rank's latest background save of a sharded model
 
 
 class ResumeWarning(UserWarning):
@@ -386,35 +389,103 @@ def _checkpoint_folder(path: str, file_mode: int | None) -> None:
         f"a directory: save it under another path (the file is left as it is)")
 
 
-def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, file_mode: int) -> str:
+def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, file_mode: int,
+                  background: Any = None) -> str:
     """Every rank writes its shards into a new save folder inside the directory ``path``; once all have, rank 0
-    makes it the current one (the index file, replaced atomically) and removes the earlier saves."""
+    makes it the current one (the index file, replaced atomically) and removes the earlier saves.  With a
+    ``background`` staging key, the state is staged (a CPU copy) and all of that happens in a thread."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    global _last_sharded_background
     rank, world_size = rank_and_world_size()
     record["extra"] = _plain(record["extra"])
     _check_weights_only(record["extra"], "extra value")
     _checkpoint_folder(path, None)  # (before the meeting, writing nothing: refused on every rank alike)
+    if _last_sharded_background is not None:
+        # One sharded save in flight at a time, whatever its path: its collectives (in the one group background
+        # saves use) then come in the same order on every rank.
+        background_saves.wait(_last_sharded_background)
+        _last_sharded_background = None
     meeting = _meet_every_rank("save_checkpoint", path)
     folder = os.path.join(path, meeting.folder_name)
     try:
         _checkpoint_folder(path, file_mode)
         safe_files.make_folder(folder, safe_files.folder_mode(file_mode))  # the first rank makes it, private
-        _atomic_save({"format": RNG_FORMAT, "rank": rank, "state": rng_state()},
-                     os.path.join(folder, f"rank{rank}.rng"), file_mode)
-        if rank == 0:
-            _atomic_save({**record, "optimizer": optimizer is not None}, os.path.join(folder, SHARDED_META), file_mode)
+        record = {**record, "optimizer": optimizer is not None}
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))  # returns once every rank has written
+        everything = {"rng": rng_state(), "record": record, "state": state}
+        if background is not None:
+            started = time.perf_counter()
+            _every_rank_can_stage(meeting, background, path, everything)
+            group = _gloo_group_for_background_saves()
+            staged = background_saves.stage(background, path, {"record": record, "state": state})
+            everything = {**staged, "rng": everything["rng"]}  # (the RNG state is a copy already)
+            blocked_s = time.perf_counter() - started
     except BaseException:
         if rank == 0:
             _remove_saves(path, keep=None, only=meeting.folder_name)
         raise
-    _commit(path, meeting, file_mode)
+
+    def write(group: Any = None) -> None:
+        try:
+            _atomic_save({"format": RNG_FORMAT, "rank": rank, "state": everything["rng"]},
+                         os.path.join(folder, f"rank{rank}.rng"), file_mode)
+            if rank == 0:
+                _atomic_save(everything["record"], os.path.join(folder, SHARDED_META), file_mode)
+            # Returns once every rank has written (fsynced) its shards and rank 0 the metadata.
+            dcp.save(everything["state"], storage_writer=dcp.FileSystemWriter(folder), process_group=group)
+        except BaseException:
+            if rank == 0:
+                _remove_saves(path, keep=None, only=meeting.folder_name)
+            raise
+        _commit(path, meeting, file_mode)
+
+    if background is None:
+        write()
+    else:
+        background_saves.start(path, background, lambda: write(group), blocked_s, tell=rank == 0)
+        _last_sharded_background = path
     return path
+
+
+def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any) -> None:
+    """Every rank checks that its staging copy fits, and all learn what the others found: a rank that cannot
+    stage refuses on every rank alike (where the others, going on alone, would wait for it in the write's
+    collectives)."""
+    rank, world_size = rank_and_world_size()
+    try:
+        background_saves.check_fits(key, path, state)
+        refusal = ""
+    except StagingMemoryError as exc:
+        refusal = str(exc)
+    if world_size == 1:
+        if refusal:
+            raise StagingMemoryError(refusal)
+        return
+    store = _store()
+    store.set(f"{meeting.key}/staging/rank{rank}", refusal)
+    keys = [f"{meeting.key}/staging/rank{r}" for r in range(world_size)]
+    store.wait(keys, dist.constants.default_pg_timeout)
+    refused = {r: store.get(k).decode() for r, k in enumerate(keys)}
+    refused = {r: text for r, text in refused.items() if text}
+    if refused:
+        first = min(refused)
+        raise StagingMemoryError(f"{_ranks_text(sorted(refused)).capitalize()} cannot stage a copy of its part of "
+                                 f"the checkpoint, so no rank saves it: rank {first}: {refused[first]}")
+
+
+def _gloo_group_for_background_saves() -> Any:
+    """A gloo group of every rank, for the collectives of sharded saves written in a thread while training goes on
+    in the default group (two threads' collectives in one group would interleave).  Made by the first background
+    save of a sharded model, which every rank makes."""
+    global _background_group
+    default = dist.group.WORLD
+    if _background_group is None or _background_group[0] is not default:
+        _background_group = (default, dist.new_group(backend="gloo"))
+    return _background_group[1]
 
 
 def _commit(path: str, meeting: _Meeting, file_mode: int) -> None:
@@ -683,7 +754,8 @@ def _loader_epoch(loader: Any) -> int:
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    epoch: int | None = None, *, loader: Any = None, file_mode: int = 0o600, **extra: Any) -> str:
+                    epoch: int | None = None, *, loader: Any = None, file_mode: int = 0o600, background: bool = False,
+                    **extra: Any) -> str:
     """Save a checkpoint atomically: from rank 0 for a whole model, from every rank at once for a sharded one.
 
     The model's weights are stored without wrapper prefixes, whatever wraps it
@@ -705,8 +777,31 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     ``file_mode``: 0600 by default, readable by you alone; ``file_mode=0o640``
     lets your group read it (a sharded checkpoint's folders get the matching
     search bits: 0700, 0750).
+
+    ``background=True`` returns as soon as the state is captured: this rank's
+    part of it (weights, optimizer state, RNG state, extra values and sampler
+    epoch, all as they are at the call) is copied into a staging copy in CPU
+    memory, reused by the path's next save, and written from that copy in a
+    thread, by the same atomic steps; the checkpoint becomes the one loads
+    find only when it is whole on disk.  One save per path is in flight: the
+    path's next save, ``load_checkpoint``/``resume`` of it and the task's end
+    wait for it.  An error of the write is raised (``BackgroundSaveError``,
+    naming the path) by this rank's next ``save_checkpoint`` or at the task's
+    end; the previous checkpoint stays.  The staging copy costs about one
+    copy of the rank's state in CPU memory; ``StagingMemoryError`` refuses a
+    save whose copy does not fit, before anything is written.
     """
+    return _save_checkpoint(path, model, optimizer, epoch, loader, file_mode, background, None, extra)
+
+
+def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     epoch: Any, loader: Any, file_mode: int, background: bool, staging_key: Any,
+                     extra: dict) -> str:
+    """:func:`save_checkpoint`, with in the background the staging copy of ``staging_key`` (default: the path's)."""
     path = os.path.abspath(os.fspath(path))
+    background_saves.raise_failures()
+    background_saves.wait(path)
+    key = (staging_key if staging_key is not None else path) if background else None
     epoch = _plain(epoch)
     rank, world_size = rank_and_world_size()
     loaders = _loader_list(loader)
@@ -715,27 +810,52 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         sampler_epoch = sampler_epoch[0] if sampler_epoch else None
     if is_sharded(model):
         return _save_sharded(path, model, optimizer, {"format": FORMAT, "epoch": epoch, "sampler_epoch": sampler_epoch,
-                                                      "world_size": world_size, "extra": extra}, file_mode)
+                                                      "world_size": world_size, "extra": extra}, file_mode, key)
     if os.path.isdir(path):
         raise IsADirectoryError(
             f"{path} is a directory (a sharded model's checkpoint is one); a model that is not sharded is saved "
             f"as one file: save it under another path")
     count = _save_counts[path] = _save_counts.get(path, 0) + 1
     tag = f"{_job_id()}/{epoch}/{count}"
+    started = time.perf_counter()
+    rng = {"format": RNG_FORMAT, "tag": tag, "rank": rank, "state": rng_state()}
+    checkpoint = None
     if rank == 0:
         extra = _plain(extra)
         _check_weights_only(extra, "extra value")
         optimizer_state = _plain(optimizer.state_dict()) if optimizer is not None else None
         if optimizer_state is not None:
             _check_weights_only(optimizer_state, "optimizer state entry")
-        _atomic_save({
+        checkpoint = {
             "format": FORMAT, "model": _model_state(model), "optimizer": optimizer_state,
             "epoch": epoch, "sampler_epoch": sampler_epoch, "world_size": world_size, "rng_tag": tag,
             "extra": extra,
-        }, path, file_mode, test_hook=True)
-    _atomic_save({"format": RNG_FORMAT, "tag": tag, "rank": rank, "state": rng_state()}, rng_path(path, rank),
-                 file_mode)
+        }
+    if key is not None and checkpoint is not None:  # (the RNG state is a copy already)
+        checkpoint = background_saves.stage(key, path, checkpoint)
+
+    def write() -> None:
+        if checkpoint is not None:
+            _atomic_save(checkpoint, path, file_mode, test_hook=True)
+        _atomic_save(rng, rng_path(path, rank), file_mode)
+
+    if key is None:
+        write()
+    else:
+        background_saves.start(path, key, write, time.perf_counter() - started, tell=rank == 0)
     return path
+
+
+def wait_for_checkpoints(path: str | os.PathLike | None = None) -> None:
+    """Wait until this rank's checkpoints being written in the background (to ``path``, or all of them) are on
+    disk; raise the error of one that failed (``BackgroundSaveError``, naming its path).  Before a barrier after
+    which another rank loads what this one saved (``load_checkpoint`` and ``resume`` wait only for their own
+    rank's saves)."""
+    if path is None:
+        for save_path in background_saves.paths():
+            background_saves.wait(save_path)
+    else:
+        background_saves.wait(os.path.abspath(os.fspath(path)))
 
 
 @dataclass(repr=False)
@@ -923,6 +1043,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     group) a sharded checkpoint is read whole, with no collective.
     """
     path = os.path.abspath(os.fspath(path))
+    background_saves.wait(path)
     location = map_location if map_location is not None else _rank_device()
     folder = _current_save(path)
     sharded_model = model is not None and is_sharded(model)
@@ -994,6 +1115,7 @@ def resume(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     whose ``.checkpoint`` is the :class:`LoadedCheckpoint` (``.checkpoint.world_size``: the saved run's).
     """
     path = os.path.abspath(os.fspath(path))
+    background_saves.wait(path)
     if not _has_checkpoint(path):
         return StartEpoch(0)
     if restore_rng is None:
@@ -1032,10 +1154,13 @@ class BestCheckpoint:
     Files are written with ``file_mode`` (:func:`save_checkpoint`).  An evicted
     checkpoint is removed without following links: a link found in its place
     is removed itself, and another user's file or folder there is left.
+    With ``background=True`` each save is written in the background as
+    :func:`save_checkpoint` writes it, from one staging copy for all of
+    this object's files (an evicted file's write is waited for first).
     """
 
     def __init__(self, path: str | os.PathLike, monitor: str = "score", mode: str = "max", keep: int = 1,
-                 file_mode: int = 0o600):
+                 file_mode: int = 0o600, background: bool = False):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', not {mode!r}")
         if keep < 1:
@@ -1045,6 +1170,7 @@ class BestCheckpoint:
         self.mode = mode
         self.keep = keep
         self.file_mode = file_mode
+        self.background = background
         self.step = 0
         self.kept: list[tuple[float, str]] = []  # best first
 
@@ -1078,13 +1204,14 @@ class BestCheckpoint:
             return False
         file = self._file_for(value, epoch)
         extra = {**extra, self.monitor: value, "mode": self.mode}
-        save_checkpoint(file, model, optimizer, epoch, loader=loader, file_mode=self.file_mode, **extra)
+        _save_checkpoint(file, model, optimizer, epoch, loader, self.file_mode, self.background, self, extra)
         self.kept = [(s, p) for s, p in self.kept if p != file]
         self.kept.append((value, file))
         self.kept.sort(key=lambda item: item[0], reverse=self.mode == "max")
         evicted = [p for _, p in self.kept[self.keep:]]
         self.kept = self.kept[:self.keep]
         for old in evicted:
+            background_saves.wait(old)
             _remove_checkpoint(old)
         return True
 

@@ -22,8 +22,8 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import (collectives, context, debugging, display, profiling, replicas, sharded, stopping, streams,
-               timing)
+from . import (background_saves, collectives, context, debugging, display, profiling, replicas, sharded, stopping,
+               streams, timing)
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -349,6 +349,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if ctx.extra.get("profile"):
             profiling.start(ctx.extra["profile"], cuda=getattr(ctx.device, "type", None) == "cuda")
         value = task.run(ctx, namespace)
+        background_saves.finish()  # checkpoints still being written are on disk before the task's end is told
         profiling.finish(sender, task_id)  # (before the result: the job has every trace when it ends)
         if interruptible is not None:
             interruptible.clear()
@@ -374,6 +375,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
             "debugger" if debugging.quit_by_debugger(exc) else None
         debugging.leave_out_debugger(exc)
         profiling.finish(sender, task_id)
+        _finish_background_saves_after_a_failure()
         failure = failure_report(exc, payload.traceback_labels(), kind=kind)
         failure["task"] = task_id
         if failure["kind"] == "user":
@@ -383,6 +385,17 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     if sender is not None:
         sender.flush()
     return failure
+
+
+def _finish_background_saves_after_a_failure() -> None:
+    """A failed task's checkpoints still being written are finished too (the next task may load them); their own
+    errors are told on stderr, as the task's failure is what is reported."""
+    try:
+        messages = background_saves.finish(raise_errors=False)
+    except BaseException as exc:  # noqa: BLE001 - an interrupt while waiting: the writes go on, unwaited
+        messages = [f"not waited for the checkpoints being written in the background ({type(exc).__name__})"]
+    for message in messages:
+        print(f"ddp_notebook: {message}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ FILES = "files"  # {reason}: not every rank reached the notebook; they all repor
 STOPPABLE = "stoppable"  # {task}: the task checks for a graceful stop (distributed_loader, should_stop())
 PROFILE = "profile"  # {task, offset_ns, trace}: --profile: the rank's Chrome trace of its profiled steps (gzip JSON; None: no step reached the window), offset_ns: its wall clock's offset to the notebook's
 RESUMED = "resumed"  # {task, epoch}: resume() found a checkpoint; the loop starts at this epoch
+SAVING = "saving"  # {task, path, blocked_s, written_s, error}: rank 0's checkpoint written in the background: started (written_s None), written, or failed (error: its message)
 PROMPT = "prompt"  # {task, id, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
 SAID = "said"  # {task, text}: the rank's debugger lets it go on; text: what it wrote since its last prompt (shown whatever --output)
 DEBUGGED = "debugged"  # {task}: the debugger opened after a failure (DEBUG) has ended; the rank waits for EXIT

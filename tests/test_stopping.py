@@ -2,11 +2,14 @@
 hands the model back; a second interrupt, or no boundary within the grace period, stops hard."""
 import re
 import time
+import traceback
 
 import pytest
 
 import ddp_notebook
 from ddp_notebook import JobStopped
+from ddp_notebook.engine.job import observe_jobs
+from ddp_notebook.wire import protocol
 from conftest import rank_processes
 from nbrun import gone, kernel, run_until_pids, until_idle
 
@@ -200,6 +203,55 @@ def _wait_until_stoppable(job):
     while job.stoppable != {0, 1} and time.monotonic() < deadline:
         time.sleep(0.1)
     assert job.stoppable == {0, 1}
+
+
+def _interrupt_as_the_job_starts():
+    """The stop button pressed while the job's start is drawn (a listener of its STARTED event raises), once."""
+    armed = [True]
+
+    def interrupt_on_start(source, kind, rank, body):
+        if kind == protocol.STARTED and armed:
+            armed.clear()
+            raise KeyboardInterrupt
+
+    def observe(job):
+        if armed:
+            job.listeners.append(interrupt_on_start)
+
+    observe_jobs(observe)
+    return armed
+
+
+def _sleeps_a_minute():
+    time.sleep(60)
+
+
+def test_the_stop_button_as_a_job_starts_stops_its_loop_gracefully_at_the_first_boundary(no_leftovers):
+    """The interrupt lands in a listener of the job's start (the dashboard drawing itself), before any rank has said
+    its task can stop: the ranks already have the task, so the wait asks them to stop at their first boundary."""
+    armed = _interrupt_as_the_job_starts()
+    with pytest.raises(ddp_notebook.Stopped) as raised:
+        ddp_notebook.launch(_train_until_stopped, cpus=2)
+    assert not armed, "the listener never ran"
+    assert "interrupt_on_start" not in "".join(traceback.format_tb(raised.tb))  # raised by the wait, not the start
+    job = ddp_notebook.last_job()
+    assert job.status == "stopped" and job.stopped_at == {"epoch": 0, "batch": job.stopped_at["batch"]}
+    assert raised.value.results == [None, None]  # the function ended in its loader, on both ranks
+    assert rank_processes() == []
+    assert ddp_notebook.launch(_checks_for_a_stop_and_returns_7, cpus=2) == [7, 7]  # the next job runs
+
+
+def test_the_stop_button_as_a_job_starts_stops_a_task_with_no_boundary_hard_within_the_announce_wait(no_leftovers,
+                                                                                                     capfd):
+    armed = _interrupt_as_the_job_starts()
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        ddp_notebook.launch(_sleeps_a_minute, cpus=2)
+    assert not armed and not isinstance(raised.value, ddp_notebook.Stopped)
+    assert time.monotonic() - began < 30  # (not the minute: stopped after the 2 s the ranks had to say they could)
+    assert "no batch boundary within 2 s of the stop; stopping hard" in capfd.readouterr().err
+    assert ddp_notebook.last_job().status == "stopped"
+    assert rank_processes() == []
 
 
 def test_job_stop_ends_a_background_job_gracefully_and_now_true_hard(no_leftovers):

@@ -36,6 +36,7 @@ log = logging.getLogger("ddp_notebook")
 Listener = Callable[["Job", str, int, dict], None]
 DEBUG_WAIT_S = 3600  # a process-group timeout this short is told at a rank's first prompt
 WATCHDOG_TAIL = 64 << 10  # how much of a rank's last output is searched for the NCCL watchdog's timeout message
+ANNOUNCE_WAIT_S = 2.0  # how long a task interrupted as it starts has to say that it can stop gracefully
 
 _last_job: "Job | None" = None
 _kept: "Job | None" = None  # the failed job whose failing rank waits for the debugger (Job.debug)
@@ -138,6 +139,7 @@ class Job(EventSource):
         self.show_where_interrupted = False  # a foreground cell shows where the ranks were when stopped hard
         self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
         self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
+        self._interrupted_at_start = False  # the stop button came as the job started: the wait takes it
         self._stopped_where: dict[int, dict] = {}
         self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
@@ -249,8 +251,19 @@ class Job(EventSource):
             self.group = self.backend(spec, self.relay).start(self.task, self.task_id)
         else:
             self.group.relay = self.relay
-        self._begin_attempt()
-        self.emit(protocol.STARTED, -1, {"world_size": spec.world_size, "port": self.port, "pids": dict(self.pids)})
+        try:
+            self._begin_attempt()
+        except BaseException:
+            if self._owns_group:
+                self.group.kill()  # (an interrupt before the task went: no rank outlives the failed start)
+            raise
+        try:
+            self.emit(protocol.STARTED, -1, {"world_size": spec.world_size, "port": self.port,
+                                              "pids": dict(self.pids)})
+        except KeyboardInterrupt:
+            # The stop button while the dashboard drew itself: the ranks have the task, so the wait takes it as
+            # the cell's first interrupt (a graceful stop where the task can stop), not as a failed start.
+            self._interrupted_at_start = True
         return self
 
     def _begin_attempt(self) -> None:
@@ -309,12 +322,7 @@ class Job(EventSource):
         return f"rank {failure.rank} failed: {headline if len(headline) <= 100 else headline[:97] + '...'}"
 
     def _send_task(self) -> None:
-        try:
-            where = payload.for_ranks(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
-        except BaseException:
-            if self._owns_group:
-                self.group.kill()
-            raise
+        where = payload.for_ranks(self.task, self.group.workdir, f"task-{self.task_id}.pkl")
         self._task_path = where.get("path")
         self.group.send_to(self.targets, (protocol.RUN, {"task": self.task_id, **where, "seed": self.spec.seed,
                                                          "attempt": self.attempt,
@@ -584,24 +592,35 @@ class Job(EventSource):
     def _pump_or_stop_gracefully(self) -> None:
         """Pump; the first interrupt asks a task that checks for it to stop at its next batch boundary.  A second
         interrupt, or no boundary within ``stop_grace`` seconds, stops it hard (KeyboardInterrupt)."""
+        at_start = self._interrupted_at_start and threading.current_thread() is threading.main_thread()
         try:
+            if at_start:
+                self._interrupted_at_start = False
+                raise KeyboardInterrupt
             if self._graceful_by is not None and self._stop_asked_at is None:
                 self._ask_to_stop(self._graceful_by)
             self._pump()
             self._answer_prompts()
         except KeyboardInterrupt:
-            if self._stop_asked_at is None and self.stoppable:
+            # Ranks interrupted as they were given the task have not reached their loop to say that it can stop
+            # gracefully: they are asked too, and are stopped hard if none says so within ANNOUNCE_WAIT_S.
+            if self._stop_asked_at is None and (self.stoppable or at_start):
                 self._ask_to_stop("the interrupt")
                 return
             raise
         if self._stop_asked_at is not None and self._outcome is None \
-                and time.monotonic() - self._stop_asked_at > self.stop_grace:
+                and time.monotonic() - self._stop_asked_at > self._grace_now():
             log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, self.stop_grace)
             self._on_grace_expired()
             if self._graceful_by is not None:
                 self._stop_requested = True  # job.stop(): the stop becomes a hard one (JobStopped)
             else:
                 raise KeyboardInterrupt
+
+    def _grace_now(self) -> float:
+        """How long a graceful stop waits for a batch boundary: ``stop_grace`` once a rank has said its task can
+        stop there, else only until the ranks had time to say so."""
+        return self.stop_grace if self.stoppable else min(self.stop_grace, ANNOUNCE_WAIT_S)
 
     def _ask_to_stop(self, by: str) -> None:
         """Ask every rank to stop at the next batch boundary (they agree on the same one)."""
@@ -614,7 +633,7 @@ class Job(EventSource):
         """A graceful stop found no boundary in time: say so, and where each rank was."""
         self.interrupted_where = self.stacks()
         self.interrupted_where_told = True
-        print(f"ddp_notebook: no batch boundary within {self.stop_grace:g} s of the stop; stopping hard. "
+        print(f"ddp_notebook: no batch boundary within {self._grace_now():g} s of the stop; stopping hard. "
               f"Where each rank was:\n{self.interrupted_where}", file=sys.stderr)
 
     def stacks(self) -> "stacks.RankStacks":

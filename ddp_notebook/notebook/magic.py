@@ -366,6 +366,8 @@ class DDPMagics(Magics):
             api.start_job(job)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
+        except KeyboardInterrupt:
+            raise _interrupted_before_start(warm) from None
         try:
             results = job.result()
         except KeyboardInterrupt:
@@ -631,6 +633,14 @@ class CellStopped(Stopped):
         if missing:
             kept += f"; the cell had not assigned {', '.join(missing)} yet"
         super().__init__(job.stopped_text, kept)
+
+
+def _interrupted_before_start(warm) -> KeyboardInterrupt:
+    """The KeyboardInterrupt of a cell stopped before its ranks had its task: no rank ran any of it."""
+    kept = "; the warm pool's ranks keep their state (they never received the cell)" if warm is not None else ""
+    interrupt = KeyboardInterrupt(f"the %%ddp cell was interrupted before its ranks started it{kept}")
+    interrupt._render_traceback_ = f"KeyboardInterrupt: {interrupt}".splitlines
+    return interrupt
 
 
 def _interrupted_hard(job) -> KeyboardInterrupt:

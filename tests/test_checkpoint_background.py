@@ -534,3 +534,48 @@ def test_a_graceful_stop_ends_the_task_once_its_background_write_is_on_disk(tmp_
     last = max(int(name) for name in os.listdir(marks))
     saved = torch.load(path, weights_only=True)  # read at once: the job's end waited for the write
     assert saved["epoch"] == last and torch.equal(saved["model"]["weight"], torch.full((2, 4), float(last)))
+
+
+# -- the kernel interrupted during a background write ---------------------------------------------------------
+
+INTERRUPTED_CELL = '''%%ddp --cpus 2
+import os, time
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(torch.nn.Linear(4, 2))
+with torch.no_grad():
+    model.module.weight.fill_(1.0)
+ddp_notebook.save_checkpoint({path!r}, model, epoch=1)
+os.environ[{pause_env!r}] = {signal_file!r}  # rank 0's write stops before its rename, for the interrupt to come
+with torch.no_grad():
+    model.module.weight.fill_(2.0)
+ddp_notebook.save_checkpoint({path!r}, model, epoch=2, background=True)
+print("PID", os.getpid(), flush=True)
+time.sleep(600)  # no batch boundary: the interrupt stops the cell hard
+'''
+
+
+@pytest.mark.kernel
+def test_the_kernel_interrupted_during_a_background_write_leaves_the_previous_checkpoint(tmp_path, no_leftovers):
+    from nbrun import gone, kernel, run_cell, run_until_pids, until_idle
+
+    path, signal_file = str(tmp_path / "model.pt"), str(tmp_path / "paused.json")
+    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+        msg_id, pids = run_until_pids(kc, INTERRUPTED_CELL.format(path=path, signal_file=signal_file,
+                                                                   pause_env=checkpoint.PAUSE_BEFORE_RENAME_ENV))
+        deadline = time.monotonic() + 60
+        while not os.path.exists(signal_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        paused = json.loads(open(signal_file).read())  # rank 0's new file is written and fsynced, not renamed
+        km.interrupt_kernel()
+        reply, told = until_idle(kc, msg_id)
+        assert reply["ename"] == "KeyboardInterrupt", told
+        assert gone(pids, 10), "a rank outlived the interrupt"
+        reply, told = run_cell(kc, f"model = torch.nn.Linear(4, 2)\n"
+                                   f"info = ddp_notebook.load_checkpoint({path!r}, model, restore_rng=False)\n"
+                                   f"print(info.epoch, bool((model.weight == 1).all()))")
+        assert reply["status"] == "ok" and told.strip() == "1 True", told  # the previous checkpoint, whole
+    written = torch.load(paused["temp"], weights_only=True)  # the new one was whole, and never became visible
+    assert written["epoch"] == 2 and torch.equal(written["model"]["weight"], torch.full((2, 4), 2.0))
+    ddp_notebook.save_checkpoint(path, torch.nn.Linear(4, 2), epoch=3)  # the next save removes what was left
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt.rank0.rng", "model.pt.rank1.rng", "paused.json"]
+    assert torch.load(path, weights_only=True)["epoch"] == 3

@@ -16,7 +16,8 @@ process playing the notebook: it builds ``R`` x 128 float32 values (256 MB for t
 
 runs a warm-up job and has the rank template preload the notebook's libraries as it does after a cell in a kernel
 (the notebook imports datasets and pandas in every variant, so the rows differ only by the data), then
-``launch()``es a function that reads every row of the data in batches of 16,384 on both ranks.  The driver samples the PSS of the notebook and
+``launch()``es a function that reads every row of the data in batches (``--batch``: 256 rows, as a training loader
+reads, and 16,384) on both ranks.  The driver samples the PSS of the notebook and
 all its descendants every 20 ms (``pss_sampler.rollup``) from the moment the notebook has its data until the job has
 returned: the growth is the peak total over the total before the job.  The contenders alternate, the order rotating
 every repeat; medians.
@@ -39,10 +40,9 @@ import os, sys, tempfile, time
 import numpy as np, torch, datasets, pandas, ddp_notebook
 from ddp_notebook.engine import template
 
-kind, rows = sys.argv[1], int(sys.argv[2])
+kind, rows, BATCH = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ARROW_READ = kind.endswith("read as Arrow")
 kind = kind.replace(", read as Arrow", "")
-BATCH = 16384
 
 
 def make(rows):
@@ -117,14 +117,14 @@ def _mib(parts: dict[int, int]) -> str:
     return " ".join(f"{pid}:{p['pss'] / 2**20:.0f}" for pid, p in parts.items())
 
 
-def one_run(kind: str, rows: int) -> tuple[int, int, float]:
+def one_run(kind: str, rows: int, batch: int) -> tuple[int, int, float]:
     """(peak PSS growth of the notebook and its descendants, the part of it in shared memory, the job's seconds)."""
     env = dict(os.environ)
     if kind.endswith("not shared"):
         env["DDP_NOTEBOOK_SHARE_MIN_BYTES"] = "off"
     notebook_kind = kind.replace(" not shared", "")
-    proc = subprocess.Popen([sys.executable, "-c", NOTEBOOK, notebook_kind, str(rows)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", NOTEBOOK, notebook_kind, str(rows), str(batch)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline().strip()
         assert line == "ready", line
@@ -160,33 +160,38 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=500_000)
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 16384],
+                        help="rows per batch the ranks read (each size a row of its own)")
     parser.add_argument("--only", default=";".join(KINDS), help="kinds, separated by ';'")
     args = parser.parse_args()
     kinds = [k for k in KINDS if k in args.only.split(";")]
     size = args.rows * 128 * 4
-    runs: dict[str, list[tuple[int, int, float]]] = {k: [] for k in kinds}
+    contenders = [(kind, batch) for batch in args.batch for kind in kinds]
+    runs: dict[tuple[str, int], list[tuple[int, int, float]]] = {k: [] for k in contenders}
     for repeat in range(args.repeats):
-        order = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
-        for kind in order:
-            growth, shmem, seconds = one_run(kind, args.rows)
-            runs[kind].append((growth, shmem, seconds))
-            print(f"{kind}: +{growth / 2**20:.0f} MiB ({growth / size:.2f}x the data; shared memory "
+        order = contenders[repeat % len(contenders):] + contenders[:repeat % len(contenders)]
+        for kind, batch in order:
+            growth, shmem, seconds = one_run(kind, args.rows, batch)
+            runs[kind, batch].append((growth, shmem, seconds))
+            print(f"{kind}, batches of {batch}: +{growth / 2**20:.0f} MiB ({growth / size:.2f}x the data; shared "
+                  f"memory "
                   f"+{shmem / 2**20:.0f} MiB), {seconds:.2f} s", flush=True)
     lines = [f"## A {size / 2**20:.0f} MiB dataset read by 2 ranks: PSS growth of the notebook, template and ranks",
              "",
-             f"`python benchmarks/bench_hfdata.py --repeats {args.repeats} --rows {args.rows}`: {args.rows:,} x 128 "
+             f"`python benchmarks/bench_hfdata.py --repeats {args.repeats} --rows {args.rows} --batch "
+             f"{' '.join(map(str, args.batch))}`: {args.rows:,} x 128 "
              "float32 in the notebook, a `launch()` on 2 CPU ranks that reads every row in batches on both ranks "
              "(the notebook imported datasets and pandas, and the rank template preloaded them, in every row); the PSS of the notebook and all its descendants "
              "summed, sampled every 20 ms from another process, peak during the job over the total before it; "
              "the job's wall time in the notebook. Medians; contenders alternating.",
              "",
-             "| data | growth (MiB) | × the data | of which shared memory (MiB) | job (s) | runs (MiB) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for kind, results in runs.items():
+             "| data | rows a batch | growth (MiB) | × the data | of which shared memory (MiB) | job (s) | runs (MiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (kind, batch), results in runs.items():
         growth = statistics.median(g for g, _, _ in results)
         shmem = statistics.median(m for _, m, _ in results)
         seconds = statistics.median(s for _, _, s in results)
-        lines.append(f"| {kind} | {growth / 2**20:.0f} | {growth / size:.2f} | {shmem / 2**20:.0f} | {seconds:.2f} | "
+        lines.append(f"| {kind} | {batch:,} | {growth / 2**20:.0f} | {growth / size:.2f} | {shmem / 2**20:.0f} | {seconds:.2f} | "
                      f"{', '.join(f'{g / 2**20:.0f}' for g, _, _ in results)} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -16,7 +16,6 @@ model alike (also files saved the naive way, with prefixed keys) using
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import io
 import itertools
@@ -419,8 +418,8 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
         everything = {"rng": rng_state(), "record": record, "state": state}
         if background is not None:
             started = time.perf_counter()
-            _every_rank_can_stage(meeting, background, path, everything)
             group = _gloo_group_for_background_saves()
+            _every_rank_can_stage(meeting, background, path, everything, group)
             staged = background_saves.stage(background, path, {"record": record, "state": state})
             everything = {**staged, "rng": everything["rng"]}  # (the RNG state is a copy already)
             blocked_s = time.perf_counter() - started
@@ -451,10 +450,11 @@ def _save_sharded(path: str, model: torch.nn.Module, optimizer, record: dict, fi
     return path
 
 
-def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any) -> None:
+def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any, group: Any) -> None:
     """Every rank checks that its staging copy fits, and all learn what the others found: a rank that cannot
     stage refuses on every rank alike (where the others, going on alone, would wait for it in the write's
-    collectives)."""
+    collectives).  Every rank is past the meeting, so a flag reduced in ``group`` (the background saves' own,
+    idle until this save's write) tells at once; only a refusal's words go through the store."""
     rank, world_size = rank_and_world_size()
     try:
         background_saves.check_fits(key, path, state)
@@ -464,6 +464,10 @@ def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any) ->
     if world_size == 1:
         if refusal:
             raise StagingMemoryError(refusal)
+        return
+    anyone = torch.tensor([1 if refusal else 0], dtype=torch.int32)
+    dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=group)
+    if not anyone.item():
         return
     store = _store()
     store.set(f"{meeting.key}/staging/rank{rank}", refusal)

@@ -610,7 +610,7 @@ class Job(EventSource):
             raise
         if self._stop_asked_at is not None and self._outcome is None \
                 and time.monotonic() - self._stop_asked_at > self._grace_now():
-            log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, self.stop_grace)
+            log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, self._grace_now())
             self._on_grace_expired()
             if self._graceful_by is not None:
                 self._stop_requested = True  # job.stop(): the stop becomes a hard one (JobStopped)

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import psutil
@@ -65,3 +66,25 @@ def pytest_sessionfinish(session, exitstatus):
     private = os.environ.get("DDP_NOTEBOOK_TEST_TMPDIR", "")
     if os.path.basename(private).startswith("ddp-tests-"):
         shutil.rmtree(private, ignore_errors=True)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 128 KiB tmpfs (root only; CI runs as root, so there a failed mount fails the test)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    ci = os.environ.get("CI", "").lower() == "true"
+    if os.geteuid() != 0:
+        if ci:
+            pytest.fail("CI must run as root to mount the tmpfs this test fills")
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        if ci:
+            pytest.fail(f"cannot mount a tmpfs: {mounted.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

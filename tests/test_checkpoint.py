@@ -376,28 +376,6 @@ def test_sigkill_between_write_and_rename_leaves_the_previous_checkpoint(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt.rank0.rng", "paused.json"]
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 128 KiB tmpfs (root only; CI runs as root, so there a failed mount fails the test)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    ci = os.environ.get("CI", "").lower() == "true"
-    if os.geteuid() != 0:
-        if ci:
-            pytest.fail("CI must run as root to mount the tmpfs this test fills")
-        pytest.skip("mounting a small tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        if ci:
-            pytest.fail(f"cannot mount a tmpfs: {mounted.stderr}")
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
-
-
 def test_a_full_filesystem_is_named_and_the_previous_checkpoint_kept(small_filesystem):
     path = small_filesystem / "model.pt"
     small = torch.nn.Linear(4, 2)

@@ -200,21 +200,13 @@ SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 @SETTINGS
 @given(specs=st.lists(model_specs(), min_size=2, max_size=3))
-def test_a_background_save_of_a_ddp_model_is_the_state_at_the_call(specs, tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("ddp"))
-    ranks = ddp_notebook.launch(_save_in_background_while_training, (specs, workdir, "ddp"), cpus=2)
-    _check_loaded(specs, workdir, ranks, sharded=False)
-
-
-@pytest.mark.slow
-@SETTINGS
-@given(specs=st.lists(model_specs(), min_size=2, max_size=3))
-def test_a_background_save_of_an_fsdp2_model_is_the_state_at_the_call(specs, tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("fsdp2"))
-    ranks = ddp_notebook.launch(_save_in_background_while_training, (specs, workdir, "fsdp2"), cpus=2)
-    _check_loaded(specs, workdir, ranks, sharded=True)
+def test_a_background_save_is_the_state_at_the_call(kind, specs, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp(kind))
+    ranks = ddp_notebook.launch(_save_in_background_while_training, (specs, workdir, kind), cpus=2)
+    _check_loaded(specs, workdir, ranks, sharded=kind == "fsdp2")
 
 
 # -- one save in flight per path; loads wait ----------------------------------------------------------
@@ -288,27 +280,6 @@ def test_a_staging_copy_that_does_not_fit_is_refused_before_anything_is_written(
 
 
 # -- a full disk, a killed rank ---------------------------------------------------------------------
-
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 128 KiB tmpfs (root only; CI runs as root, so there a failed mount fails the test)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    ci = os.environ.get("CI", "").lower() == "true"
-    if os.geteuid() != 0:
-        if ci:
-            pytest.fail("CI must run as root to mount the tmpfs this test fills")
-        pytest.skip("mounting a small tmpfs needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        if ci:
-            pytest.fail(f"cannot mount a tmpfs: {mounted.stderr}")
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def _fill_in_the_background(path, then_save_again):

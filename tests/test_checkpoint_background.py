@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -164,7 +165,8 @@ def _rng_of(path, rank, sharded):
         with open(os.path.join(path, checkpoint.SHARDED_INDEX)) as f:
             folder = os.path.join(path, json.load(f)["current"])
         return torch.load(os.path.join(folder, f"rank{rank}.rng"), weights_only=True)["state"]["torch"]
-    return torch.load(checkpoint.rng_path(path, rank), weights_only=True)["state"]["torch"]
+    tag = torch.load(path, weights_only=True)["rng_tag"]  # the save the model file belongs to
+    return torch.load(checkpoint.rng_path(path, rank), weights_only=True)["saves"][tag]["torch"]
 
 
 def _assert_same(got, expected, what):
@@ -337,7 +339,9 @@ def _saves_then_paused_in_the_background(path, signal_file):
     model = DDP(torch.nn.Linear(4, 2))
     with torch.no_grad():
         model.module.weight.fill_(1.0)
+    torch.save(torch.get_rng_state(), f"{signal_file}.rng{dist.get_rank()}")  # this rank's RNG at the first save
     ddp_notebook.save_checkpoint(path, model, epoch=1)
+    torch.rand(3)  # (the second save's RNG state differs)
     os.environ[checkpoint.PAUSE_BEFORE_RENAME_ENV] = signal_file
     with torch.no_grad():
         model.module.weight.fill_(2.0)
@@ -359,6 +363,9 @@ def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(
         assert signal_file.exists(), proc.communicate()
         paused = json.loads(signal_file.read_text())
         assert os.path.exists(f"{signal_file}.returned0")  # the save returned before its write was done
+        while not _has_rng_of_epoch(path, 1, 2) and time.time() < deadline:
+            time.sleep(0.05)  # rank 1 renames its RNG file of the new save into place, ahead of rank 0's model
+        assert _has_rng_of_epoch(path, 1, 2)
         os.kill(paused["pid"], signal.SIGKILL)  # rank 0, its new file written and fsynced, not yet renamed
         out, err = proc.communicate(timeout=60)
     finally:
@@ -371,6 +378,32 @@ def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(
     model = torch.nn.Linear(4, 2)
     info = ddp_notebook.load_checkpoint(path, model, restore_rng=False)  # ... and the checkpoint is the previous one
     assert info.epoch == 1 and torch.equal(model.weight, torch.full((2, 4), 1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ddp_notebook.ResumeWarning)  # (a resume that would not repeat the run warns)
+        resumed = ddp_notebook.launch(_resumes_with_rng, (str(path),), cpus=2)
+    for rank in (0, 1):  # every rank's random state is the one of the previous checkpoint's save
+        assert resumed[rank][0] == [] and torch.equal(resumed[rank][1],
+                                                      torch.load(f"{signal_file}.rng{rank}", weights_only=True))
+
+
+def _has_rng_of_epoch(path, rank, epoch):
+    """Whether rank ``rank``'s RNG file beside ``path`` has the state of a save of ``epoch`` (tags: job/epoch/count)."""
+    try:
+        saves = torch.load(checkpoint.rng_path(str(path), rank), weights_only=True)["saves"]
+    except (FileNotFoundError, EOFError, RuntimeError):
+        return False
+    return any(tag.split("/")[-2] == str(epoch) for tag in saves)
+
+
+def _resumes_with_rng(path):
+    import warnings as _warnings
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(torch.nn.Linear(4, 2))
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error", ddp_notebook.ResumeWarning)
+        info = ddp_notebook.load_checkpoint(path, model, restore_rng=True)
+    return info.rng_missing_ranks, torch.get_rng_state()
 
 
 # -- the dashboard ------------------------------------------------------------------------------------

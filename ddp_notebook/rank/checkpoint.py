@@ -41,7 +41,9 @@ from ..wire import protocol, safe_files
 from ..wire.payload import unwrap_model
 
 FORMAT = "ddp_notebook.checkpoint/1"
-RNG_FORMAT = "ddp_notebook.rng/1"
+RNG_FORMAT = "ddp_notebook.rng/1"  # a rank's RNG state in a sharded checkpoint's save folder
+RNG_SAVES_FORMAT = "ddp_notebook.rng_saves/1"  # a rank's RNG file beside a one-file checkpoint (RNG_FORMAT: read)
+RNG_SAVES_KEPT = 3  # a rank's RNG file keeps its last saves' states: the model file may still name an older one
 # Test hook: after the temporary file is written and fsynced, write this file and wait before the rename.
 PAUSE_BEFORE_RENAME_ENV = "DDP_NOTEBOOK_TEST_PAUSE_BEFORE_RENAME"
 SHARDED_FORMAT = "ddp_notebook.sharded_checkpoint/1"
@@ -52,6 +54,7 @@ ARRIVAL_TIMEOUT_ENV = "DDP_NOTEBOOK_CHECKPOINT_ARRIVAL_S"
 ARRIVAL_TIMEOUT_S = 10.0
 
 _save_counts: dict[str, int] = {}
+_rng_saves: dict[str, list[tuple[str, dict]]] = {}  # rng_path -> this rank's latest (tag, state), oldest first
 _meetings: dict[tuple[str, str], int] = {}
 _background_group: tuple[Any, Any] | None = None  # (the default process group, the gloo group background saves use)
 _last_sharded_background: str | None = None  # the path of this rank's latest background save of a sharded model
@@ -250,6 +253,39 @@ def _size_text(n: int) -> str:
 def rng_path(path: str, rank: int) -> str:
     """Where rank ``rank`` keeps its RNG state for the checkpoint at ``path``."""
     return f"{path}.rank{rank}.rng"
+
+
+def _save_rng(file: str, rank: int, tag: str, state: dict, file_mode: int) -> None:
+    """Write ``file``, this rank's RNG file beside a one-file checkpoint, with ``state`` under ``tag`` and the
+    states of this rank's :data:`RNG_SAVES_KEPT` - 1 saves before it.  Each rank renames its file into place on its
+    own, before or after rank 0 commits the model file, which names the save it belongs to (``rng_tag``): keeping
+    the previous saves' states too, the file has the state of whichever save the model file names, also after a
+    crash between the two renames."""
+    saves = _rng_saves.get(file)
+    if saves is None:  # this process's first save of the path: keep those of an earlier run
+        saves = list(_read_rng_file(file, own_only=True).items())
+    saves = [(t, s) for t, s in saves if t != tag]
+    saves = saves[max(0, len(saves) - RNG_SAVES_KEPT + 1):] + [(tag, state)]
+    _atomic_save({"format": RNG_SAVES_FORMAT, "rank": rank, "saves": dict(saves)}, file, file_mode)
+    _rng_saves[file] = saves
+
+
+def _read_rng_file(file: str, own_only: bool = False) -> dict[str, dict]:
+    """The RNG states in a rank's RNG file beside a one-file checkpoint, by save tag: {} if there is none, it is
+    unreadable or (``own_only``) it is not a plain file of this user's."""
+    try:
+        fd = safe_files.open_own_file(file, os.O_RDONLY) if own_only else os.open(file, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            saved = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception:  # (missing, torn, not a checkpoint's: no state to restore, which a resume reports)
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    if isinstance(saved.get("saves"), dict):
+        return saved["saves"]
+    if "tag" in saved and "state" in saved:  # one save's, as RNG_FORMAT (versions before RNG_SAVES_FORMAT)
+        return {saved["tag"]: saved["state"]}
+    return {}
 
 
 def _job_id() -> str:
@@ -822,7 +858,7 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
     count = _save_counts[path] = _save_counts.get(path, 0) + 1
     tag = f"{_job_id()}/{epoch}/{count}"
     started = time.perf_counter()
-    rng = {"format": RNG_FORMAT, "tag": tag, "rank": rank, "state": rng_state()}
+    rng = {"state": rng_state()}
     checkpoint = None
     if rank == 0:
         extra = _plain(extra)
@@ -841,7 +877,7 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
     def write() -> None:
         if checkpoint is not None:
             _atomic_save(checkpoint, path, file_mode, test_hook=True)
-        _atomic_save(rng, rng_path(path, rank), file_mode)
+        _save_rng(rng_path(path, rank), rank, tag, rng["state"], file_mode)
 
     if key is None:
         write()
@@ -963,16 +999,17 @@ def _load_rng(path: str, world_size: int, tag: str | None, rank: int,
     mine, missing = None, []
     for r in range(world_size):
         file = _rng_file(path, r, folder)
-        try:
-            saved = torch.load(file, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
+        if folder is None:
+            state = _read_rng_file(file).get(tag)  # (None: missing, or only other saves' states)
+        else:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True)["state"]
+            except FileNotFoundError:
+                state = None
+        if state is None:
             missing.append(r)
-            continue
-        if folder is None and saved.get("tag") != tag:
-            missing.append(r)  # from another save: it does not belong to this checkpoint
-            continue
-        if r == rank:
-            mine = saved["state"]
+        elif r == rank:
+            mine = state
     return mine, missing
 
 

@@ -192,6 +192,8 @@ def mlp_benchmark(args) -> None:
             raise SystemExit(f"no {tag} in {told[-2000:]}")
 
         cell("%load_ext ddp_notebook")
+        if args.kernel_setup:
+            cell(args.kernel_setup)
         kernel_pid = int(cell("import os, ddp_notebook; print(os.getpid(), ddp_notebook.__file__)").split()[0])
         print(f"kernel {kernel_pid}: ddp_notebook from {args.package or ROOT}\n")
         runs = {False: [], True: []}
@@ -344,6 +346,9 @@ def main() -> None:
     parser.add_argument("--mlp-steps", type=int, default=4000)
     parser.add_argument("--mlp-pairs", type=int, default=3)
     parser.add_argument("--long-steps", type=int, default=100_000, help="0: no long run")
+    parser.add_argument("--kernel-setup", help="code run in the kernel after the extension loads (part 4): "
+                        "settings to compare, e.g. 'from ddp_notebook.notebook import dashboard; "
+                        "dashboard.DRAW_SHARE = 0'")
     parser.add_argument("--package", help="import ddp_notebook from this checkout in the kernel (part 4)")
     args = parser.parse_args()
     if args.mlp:

@@ -54,6 +54,16 @@ class _Column:
 
     def set(self, index: int, value: Any) -> None:
         kinds = self.kinds
+        if index == len(kinds):  # the common case: the next record's number
+            kind = type(value)
+            if kind is float:
+                self.values.append(value)
+                kinds.append(_FLOAT)
+                return
+            if kind is int and -_EXACT_INT <= value <= _EXACT_INT:
+                self.values.append(value)
+                kinds.append(_INT)
+                return
         if index >= len(kinds):  # records added since this column was last set hold nothing in it
             missing = index + 1 - len(kinds)
             kinds.extend(bytes(missing))
@@ -459,8 +469,11 @@ class Reducer:
             self.totals[key] = body["total"]
         if body.get("sum"):
             self.summed.update(body["sum"])
-        updates += self._settle_orphans(key, x)
-        pending = self._pending.setdefault(key, OrderedDict())
+        if self._orphans:
+            updates += self._settle_orphans(key, x)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = OrderedDict()
         point = pending.get(x)
         values = body["values"]
         if point is None:
@@ -571,7 +584,7 @@ class Reducer:
         ranks = self._key_ranks(key)
         if not pending or len(latest) < len(ranks) or not ranks <= latest.keys():
             return []
-        floor = min(latest[rank] for rank in ranks)
+        floor = min(map(latest.__getitem__, ranks))
         if next(iter(pending)) >= floor:
             return []
         updates = []
@@ -579,7 +592,11 @@ class Reducer:
             oldest = next(iter(pending))
             if oldest >= floor:
                 break
-            updates += self._release(key, oldest, pending.pop(oldest), final=True)
+            point = pending.pop(oldest)
+            if point.index is not None and all(point.released.get(name) == len(by_rank)
+                                               for name, by_rank in point.values.items()):
+                continue  # (the common case: its record holds every value that arrived)
+            updates += self._release(key, oldest, point, final=True)
         return updates
 
     def reached(self) -> dict[str, float]:
@@ -687,13 +704,21 @@ class Reducer:
             if key in self.totals:
                 record[TOTAL_KEYS[key]] = self.totals[key]
             index = history._append()
-            history._update(index, record)
             where = self._where.get(key)
             if where is None:
                 where = self._where[key] = _XIndex(history, key)
             where.add(x, index)
             self.counts[key] = self.counts.get(key, 0) + 1
-        elif not reduced:
+            point.index = index
+            update = {key: x, **point.meta, **reduced}
+            if partial:
+                update["partial"] = ",".join(partial)
+            record.update(update)
+            history._update(index, record)
+            history._update_own(index, own)
+            point.meta = {}
+            return [update]
+        if not reduced:
             point.index = index
             return []
         point.index = index

@@ -22,8 +22,8 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import (background_saves, collectives, context, debugging, display, profiling, replicas, sharded, stopping,
-               streams, timing)
+from . import (background_saves, collectives, context, debugging, display, metrics, profiling, replicas, sharded,
+               stopping, streams, timing)
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -349,6 +349,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if ctx.extra.get("profile"):
             profiling.start(ctx.extra["profile"], cuda=getattr(ctx.device, "type", None) == "cuda")
         value = task.run(ctx, namespace)
+        metrics.hurry()
         background_saves.finish()  # checkpoints still being written are on disk before the task's end is told
         profiling.finish(sender, task_id)  # (before the result: the job has every trace when it ends)
         if interruptible is not None:
@@ -374,6 +375,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
             "debugger" if debugging.quit_by_debugger(exc) else None
         debugging.leave_out_debugger(exc)
+        metrics.hurry()
         profiling.finish(sender, task_id)
         _finish_background_saves_after_a_failure()
         failure = failure_report(exc, payload.traceback_labels(), kind=kind)

@@ -411,3 +411,38 @@ def test_a_long_history_is_kept_in_columns():
     assert history.by_rank[-1] == {"loss": {0: 1.0 / steps, 1: 1.0 / steps + 1}, "acc": {0: 0.5, 1: 0.5}}
     # step, steps, loss, acc and 2 x 2 ranks' own values: 9 bytes each, plus 8 bytes of shapes and 4 of index
     assert history.__sizeof__() < 100 * steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 3), steps=st.integers(1, 30), data=st.data())
+def test_a_rank_s_batch_is_reduced_as_its_reports_one_by_one(world, steps, data):
+    """add_many (a rank's metric event) makes the records, by-rank values and partial marks that add() one report
+    at a time makes, however the ranks' batches are cut and interleaved, ranks skipping steps included."""
+    names = data.draw(st.lists(st.sampled_from(["loss", "acc"]), min_size=1, max_size=2, unique=True))
+    reports = {rank: [metric(step, key="step", total=steps, n=data.draw(st.sampled_from([None, 2, 5])),
+                             **{name: data.draw(st.floats(-1e3, 1e3)) for name in names})
+                      for step in range(steps) if data.draw(st.booleans()) or rank == 0]
+               for rank in range(world)}
+    batches = {rank: [] for rank in range(world)}  # each rank's reports cut into batches
+    for rank, bodies in reports.items():
+        while bodies:
+            size = data.draw(st.integers(1, len(bodies)))
+            batches[rank].append(bodies[:size])
+            bodies = bodies[size:]
+    order = []  # the batches interleaved at random, each rank's in order
+    while any(batches.values()):
+        rank = data.draw(st.sampled_from([r for r in batches if batches[r]]))
+        order.append((rank, batches[rank].pop(0)))
+    one_by_one, batched = Reducer(world, clock=Clock()), Reducer(world, clock=Clock())
+    for rank, batch in order:
+        for body in batch:
+            one_by_one.add(rank, body)
+        batched.add_many(rank, batch)
+    one_by_one.finish()
+    batched.finish()
+    # (Records can be made in another order: one that a rank's batch completes comes before those the batch's
+    # end closes as partial, where one report at a time closes them as it goes; each x's record is the same.)
+    def by_step(reducer):
+        return sorted(zip(reducer.history, reducer.history.by_rank), key=lambda pair: pair[0]["step"])
+    assert by_step(batched) == by_step(one_by_one) and len(batched.history) > 0
+    assert batched.notices == one_by_one.notices

@@ -462,45 +462,57 @@ class Reducer:
 
     def add(self, rank: int, body: dict) -> list[dict]:
         """Take one rank's report; the updates it completed."""
-        key, x = body["key"], body["x"]
+        return self.add_many(rank, (body,))
+
+    def add_many(self, rank: int, bodies) -> list[dict]:
+        """Take one rank's reports, in the order it made them (a batch of its ``metric`` event); the updates they
+        completed.  What every rank has moved past is closed once, after the batch."""
         now = self.clock()
         updates = self.settle(now) if now >= self._next_deadline else []
-        if body.get("total") is not None:
-            self.totals[key] = body["total"]
-        if body.get("sum"):
-            self.summed.update(body["sum"])
-        if self._orphans:
-            updates += self._settle_orphans(key, x)
-        pending = self._pending.get(key)
-        if pending is None:
-            pending = self._pending[key] = OrderedDict()
-        point = pending.get(x)
-        values = body["values"]
-        if point is None:
-            index = self._record_of(key, x)
-            if index is not None and not self._is_stale(index):
-                fields = self.history._fields(index)
-                late = [name for name in values if name in fields]
-                if late:  # that x was closed without this rank: its record stands
-                    self._tell(late[0], f"rank {rank}'s {', '.join(late)} for {key} {x} arrived after that {key} "
-                                        f"was complete without it and {'was' if len(late) == 1 else 'were'} "
-                                        f"left out")
-                    values = {name: value for name, value in values.items() if name not in fields}
-            point = pending[x] = _Point()
-        point.ranks.add(rank)
-        weight = 1.0 if body.get("n") is None else float(body["n"])
-        for name, value in values.items():
-            senders = self._senders.get((key, name))
-            if senders is None or rank not in senders:
-                self._new_sender(key, name, rank, x, now)
-            point.values.setdefault(name, {})[rank] = (value, weight)
-        if "epoch" in body:
-            point.meta["epoch"] = body["epoch"]
-        updates += self._release(key, x, point, final=False)
+        moved: list[str] = []  # the x keys whose ranks moved on
+        for body in bodies:
+            key, x = body["key"], body["x"]
+            if body.get("total") is not None:
+                self.totals[key] = body["total"]
+            if body.get("sum"):
+                self.summed.update(body["sum"])
+            if self._orphans:
+                updates += self._settle_orphans(key, x)
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = OrderedDict()
+            point = pending.get(x)
+            values = body["values"]
+            if point is None:
+                index = self._record_of(key, x)
+                if index is not None and not self._is_stale(index):
+                    fields = self.history._fields(index)
+                    late = [name for name in values if name in fields]
+                    if late:  # that x was closed without this rank: its record stands
+                        self._tell(late[0], f"rank {rank}'s {', '.join(late)} for {key} {x} arrived after that "
+                                            f"{key} was complete without it and "
+                                            f"{'was' if len(late) == 1 else 'were'} left out")
+                        values = {name: value for name, value in values.items() if name not in fields}
+                point = pending[x] = _Point()
+            point.ranks.add(rank)
+            weight = 1.0 if body.get("n") is None else float(body["n"])
+            for name, value in values.items():
+                senders = self._senders.get((key, name))
+                if senders is None or rank not in senders:
+                    self._new_sender(key, name, rank, x, now)
+                point.values.setdefault(name, {})[rank] = (value, weight)
+            if "epoch" in body:
+                point.meta["epoch"] = body["epoch"]
+            updates += self._release(key, x, point, final=False)
 
-        latest = self._latest.setdefault(key, {})
-        if x > latest.get(rank, float("-inf")):
-            latest[rank] = x
+            latest = self._latest.get(key)
+            if latest is None:
+                latest = self._latest[key] = {}
+            if x > latest.get(rank, float("-inf")):
+                latest[rank] = x
+                if key not in moved:
+                    moved.append(key)
+        for key in moved:
             updates += self._close_passed(key)
         return updates
 

@@ -719,9 +719,9 @@ class Watcher:
         if kind == protocol.METRIC:
             with self._forwarding:
                 with self.lock:
-                    updates = []
-                    for report in body["reports"]:
-                        updates += self.reducer.add(rank, report)
+                    reports = body["reports"]
+                    updates = self.reducer.add_many(rank, reports)
+                    for report in reports:
                         if "rank_stats" in report:
                             self.job.ranks.add(rank, report["rank_stats"])
                     for update in updates:

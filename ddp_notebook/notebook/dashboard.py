@@ -35,9 +35,11 @@ MIN_REDRAW_S = 0.5  # two figure redraws a second at most
 # matplotlib's CPU, mostly ticks and labels) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
 # DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
 # changes its curves at every tick (report() every step) redraws every few seconds, not every half second.  A
-# redraw is charged the drawing thread's CPU time, not the wall time a busy machine stretches it to.
+# redraw is charged the drawing thread's CPU time, not the wall time a busy machine stretches it to.  A figure of
+# few updates (FEW_UPDATES: an epoch-wise run) is redrawn at each change, paced by MIN_REDRAW_S alone.
 DRAW_SHARE = 0.005
 DRAW_BURST_S = 0.1
+FEW_UPDATES = 200  # until the curves have had this many updates (an epoch-wise run's), each change is drawn
 MAX_STALE_S = 10.0  # but a figure that changed is drawn at least this often, whatever a redraw costs
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
 MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
@@ -566,7 +568,8 @@ class DisplayView:
             self._credit = min(DRAW_BURST_S, self._credit + (now - self._credit_at) * DRAW_SHARE)
             self._credit_at = now
             if final or (version != self._drawn_version and now >= self._next_draw
-                         and (self._credit >= self._draw_cost or now >= self._next_draw + MAX_STALE_S)):
+                         and (version <= FEW_UPDATES or self._credit >= self._draw_cost
+                              or now >= self._next_draw + MAX_STALE_S)):
                 snapshot = watcher.curves.snapshot()
         status = self.status_text(line, final)
         if status != self.status_output.data["text/plain"]:

@@ -1263,6 +1263,7 @@ def _remove_checkpoint(path: str) -> None:
     Nothing is removed through a link: a link at ``path`` (or at a save's name) is removed itself, through the
     descriptor of the folder it is in, and another user's file or folder is left."""
     rank, _ = rank_and_world_size()
+    _rng_saves.pop(rng_path(os.path.abspath(path), rank), None)  # (its RNG states go with it)
     directory, base = os.path.split(path)
     try:
         parent = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

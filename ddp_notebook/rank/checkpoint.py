@@ -858,7 +858,7 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
     count = _save_counts[path] = _save_counts.get(path, 0) + 1
     tag = f"{_job_id()}/{epoch}/{count}"
     started = time.perf_counter()
-    rng = {"state": rng_state()}
+    rng = rng_state()
     checkpoint = None
     if rank == 0:
         extra = _plain(extra)
@@ -877,7 +877,7 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer:
     def write() -> None:
         if checkpoint is not None:
             _atomic_save(checkpoint, path, file_mode, test_hook=True)
-        _save_rng(rng_path(path, rank), rank, tag, rng["state"], file_mode)
+        _save_rng(rng_path(path, rank), rank, tag, rng, file_mode)
 
     if key is None:
         write()

@@ -20,6 +20,7 @@ from ddp_notebook.engine import job as engine_job
 from ddp_notebook.notebook import dashboard
 
 _spent: dict[str, float] = {}
+_calls: dict[str, int] = {}
 _process = psutil.Process()
 _cpu_at_setup = sum(_process.cpu_times()[:2])
 
@@ -34,6 +35,7 @@ def _account(cls, name: str, label: str) -> None:
             return original(*args, **kwargs)
         finally:
             _spent[label] = _spent.get(label, 0.0) + time.thread_time() - started
+            _calls[label] = _calls.get(label, 0) + 1
 
     setattr(cls, name, accounted)
 
@@ -50,7 +52,7 @@ _ended = dashboard.Watcher._ended
 def _ended_and_written(self, body):
     result = _ended(self, body)
     line = {"process_cpu_s": sum(_process.cpu_times()[:2]) - _cpu_at_setup,
-            **{label: round(seconds, 4) for label, seconds in _spent.items()}}
+            **{label: [round(seconds, 4), _calls[label]] for label, seconds in _spent.items()}}
     with open(os.environ.get("DDP_NOTEBOOK_KERNEL_ACCOUNTING", "kernel_accounting.jsonl"), "a") as out:
         out.write(json.dumps(line) + "\n")
     return result

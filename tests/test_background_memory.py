@@ -39,7 +39,8 @@ def probe():
     from ddp_notebook.notebook.dashboard import DisplayView, Plot
     jobs = background_jobs()
     return {"retained": retained, "blob_alive": blob_ref() is not None,
-            "views": sum(isinstance(o, (DisplayView, Plot, matplotlib.figure.Figure)) for o in gc.get_objects()),
+            "views": sum(isinstance(o, DisplayView) for o in gc.get_objects()),
+            "figures": [sum(isinstance(o, kind) for o in gc.get_objects()) for kind in (Plot, matplotlib.figure.Figure)],
             "open_widgets": sum(isinstance(o, ipywidgets.Widget) and o.comm is not None for o in gc.get_objects()),
             "jobs": [[job.status, len(job.history)] for job in jobs],
             "returned": [job.results[0].values.get("x") for job in jobs if job.results],
@@ -104,6 +105,8 @@ def test_finished_background_jobs_let_go_of_their_dashboards_and_payloads(no_lef
         redrawn = _run(kc, "from ddp_notebook.engine.job import background_jobs\nbackground_jobs()[-2].show()")
         _run(kc, "%ddp_stop")
     assert probe["views"] == 0 and probe["open_widgets"] == 0, probe
+    # At most the one live figure the kernel keeps for the next job's dashboard.
+    assert all(count <= 1 for count in probe["figures"]), probe
     assert not probe["blob_alive"], "a finished job keeps a notebook value it shipped after the notebook let go of it"
     per_job = probe["retained"] / len(measured)
     assert per_job < BOUND_PER_JOB, \

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ddp_notebook.engine.history import SETTLE_S, History, Reducer
+from ddp_notebook.wire.protocol import expand_reports, pack_reports
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -446,3 +447,98 @@ def test_a_rank_s_batch_is_reduced_as_its_reports_one_by_one(world, steps, data)
         return sorted(zip(reducer.history, reducer.history.by_rank), key=lambda pair: pair[0]["step"])
     assert by_step(batched) == by_step(one_by_one) and len(batched.history) > 0
     assert batched.notices == one_by_one.notices
+
+
+class _GeneralPathOnly(Reducer):
+    """The reducer without its lane: every report through the general points."""
+
+    def _open_lane(self, key, x, names):
+        return None
+
+
+@pytest.mark.timeout(90)
+@settings(max_examples=200, deadline=None)
+@given(world=st.integers(1, 3), steps=st.integers(1, 25), data=st.data())
+def test_the_lane_makes_what_the_general_path_makes(world, steps, data):
+    """Reports every step, packed in runs as a rank sends them, reduce to the records, by-rank values, updates,
+    reporters and notices of the general path, however the ranks skip, repeat or delay steps, drop a metric, add
+    a weight or an epoch, stop reporting, or report alone for a while."""
+    names = ["loss", "acc"][:data.draw(st.integers(1, 2))]
+    late_rank = data.draw(st.sampled_from([None] + list(range(world))))  # starts reporting a while later
+    reports = {}
+    for rank in range(world):
+        mine = []
+        for step in range(steps):
+            if rank == late_rank and step < steps // 2:
+                continue
+            kind = data.draw(st.sampled_from(["plain"] * 6 + ["skip", "twice", "subset", "n", "epoch"]))
+            if kind == "skip":
+                continue
+            values = {name: data.draw(st.floats(allow_nan=False, width=32)) for name in names}
+            if kind == "subset" and len(names) > 1:
+                values.pop(data.draw(st.sampled_from(names)))
+            body = metric(step, key="step", total=steps, n=3 if kind == "n" else None, **values)
+            if kind == "epoch":
+                body["epoch"] = step // 4
+            mine += [body, dict(body)] if kind == "twice" else [body]
+        reports[rank] = mine
+    batches = {rank: [] for rank in range(world)}
+    for rank, bodies in reports.items():
+        while bodies:
+            size = data.draw(st.integers(1, len(bodies)))
+            batches[rank].append(bodies[:size])
+            bodies = bodies[size:]
+    lane, general = Reducer(world, clock=Clock()), _GeneralPathOnly(world, clock=Clock())
+    lane_updates, general_updates = [], []
+    while any(batches.values()):
+        rank = data.draw(st.sampled_from([r for r in batches if batches[r]]))
+        batch = batches[rank].pop(0)
+        if data.draw(st.booleans()):
+            lane.clock.now += SETTLE_S
+            general.clock.now += SETTLE_S
+        lane_updates += lane.add_many(rank, pack_reports(batch))
+        general_updates += general.add_many(rank, batch)
+    lane_updates += lane.finish()
+    general_updates += general.finish()
+    # (repr: the same bits, nan and -0.0 included; inf - inf makes a nan of finite floats)
+    assert repr(list(lane.history)) == repr(list(general.history))
+    assert repr(list(lane.history.by_rank)) == repr(list(general.history.by_rank))
+    assert repr(lane_updates) == repr(general_updates)
+    assert lane.history.reporters == general.history.reporters
+    assert lane.notices == general.notices
+    assert lane.totals == general.totals and lane.counts == general.counts
+
+
+_numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2 ** 70, 2 ** 70))
+
+
+@st.composite
+def _report(draw):
+    """A report as a rank's report() builds it: key, x, values, then total, n, sum, epoch where given."""
+    key = draw(st.sampled_from(["step", "epoch"]))
+    names = draw(st.lists(st.sampled_from(["loss", "acc", "lr"]), max_size=3, unique=True))
+    body = {"key": key, "x": draw(st.one_of(st.integers(0, 50), st.floats(0, 50))),
+            "values": {name: draw(_numbers) for name in names}}
+    for field, values in (("total", st.integers(1, 100)), ("n", _numbers), ("sum", st.just(names[:1])),
+                          ("epoch", st.integers(0, 5))):
+        if draw(st.integers(0, 3)) == 0:
+            body[field] = draw(values)
+    return body
+
+
+@st.composite
+def _plain_step(draw):
+    """report(step=s, steps=10, loss=...): the report that travels in runs."""
+    return {"key": "step", "x": draw(st.integers(0, 9)), "values": {"loss": draw(_numbers)}, "total": 10}
+
+
+@settings(max_examples=300, deadline=None)
+@given(reports=st.lists(st.one_of(_report(), _plain_step()), max_size=40))
+def test_reports_packed_in_runs_unpack_to_the_same_reports_element_for_element(reports):
+    """What a rank sends (pack_reports) reads back (expand_reports) as the same reports: every field, number
+    type and bit (nan, -0.0, huge ints), order; alike neighbours travel as one run."""
+    packed = pack_reports(reports)
+    assert repr(list(expand_reports(packed))) == repr(reports)
+    runs = [item for item in packed if type(item) is tuple]
+    assert all(len(run[4]) > 1 for run in runs)
+    assert len(packed) <= len(reports)

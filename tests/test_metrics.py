@@ -17,6 +17,7 @@ from ddp_notebook.rank import metrics, timing
 from ddp_notebook.engine import history
 from ddp_notebook.engine.callbacks import Forwarder, TensorBoard, WandB, resolve
 from ddp_notebook.engine.spec import JobSpec
+from ddp_notebook.wire import protocol
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,10 +68,12 @@ def test_reports_waiting_for_the_sender_travel_together(in_rank):
     metrics.report(epoch=1, loss=1.0)
     metrics.report(epoch=2, loss=2.0)  # the sender has not taken the first event yet: same message
     assert len(in_rank.queued) == 1
-    assert [r["x"] for r in in_rank.sent[0][1]["reports"]] == [1, 2]  # pickling (sending) seals the batch
+    # Pickling (sending) seals the batch; alike reports go as one run: key, total, names, x values, a column each.
+    assert in_rank.sent[0][1]["reports"] == [(protocol.RUN, "epoch", None, ("loss",), [1, 2], [[1.0, 2.0]])]
     metrics.report(epoch=3, loss=3.0)
     assert len(in_rank.queued) == 2
-    assert [r["x"] for r in in_rank.sent[1][1]["reports"]] == [3]
+    assert in_rank.sent[1][1]["reports"] == [{"key": "epoch", "x": 3, "values": {"loss": 3.0}}]  # (one: a record)
+    assert [r["x"] for batch in in_rank.sent for r in protocol.expand_reports(batch[1]["reports"])] == [1, 2, 3]
 
 
 def test_report_steps_and_implicit_steps(in_rank):
@@ -272,6 +275,7 @@ def test_a_restart_is_marked_in_the_status_line_and_on_the_curves_and_replayed_e
     snapshot = watcher.curves.snapshot()
     assert snapshot["points"][("epoch", "loss")] == ([0, 1, 2, 3], [10.0, 11.0, 2.0, 3.0])
     assert snapshot["restarts"] == [("epoch", 2.5)]
+    assert snapshot["totals"] == {"epoch": 3}  # (report(epochs=3)): the live figure's x axis runs to it
     plot = dashboard.Plot()
     assert plot.render(snapshot).startswith(b"\x89PNG")
     assert [marker.get_xdata()[0] for marker in plot._markers] == [2.5]
@@ -326,3 +330,66 @@ def test_rank_0_alone_reporting_is_drawn_live_and_labelled(monkeypatch):
     assert [ax.get_title() for ax in plot._figure.axes] == ["loss (rank 0)"]
     job.end()
     assert [r["epoch"] for r in job.history] == [1, 2, 3] and not any("partial" in r for r in job.history)
+
+
+def test_a_live_frame_drawn_over_the_kept_background_is_the_figure_drawn_whole():
+    from PIL import Image
+
+    curves = dashboard.Curves()
+    curves.totals = {"step": 1000}  # (the reducer's, from report(steps=1000))
+    plot = dashboard.Plot()
+    for step in range(100):
+        curves.add({"step": step, "loss": 2.0 - step / 100, "acc": step / 200})
+    plot.render(curves.snapshot())
+    assert plot.blitted == 0
+    for step in range(100, 300):  # inside the live limits: x runs to the run's end, y has room around the curve
+        curves.add({"step": step, "loss": 2.0 - step / 300, "acc": 0.3 + step / 10000})
+    blitted = plot.render(curves.snapshot())
+    assert plot.blitted == 1
+    for ax in plot._figure.axes:
+        assert ax.get_xlim()[1] >= 1000
+        ax.set_autoscale_on(False)
+    for line, partial_line in plot._lines.values():
+        line.set_animated(False)
+        partial_line.set_animated(False)
+    canvas = plot._figure.canvas
+    canvas.draw()
+    whole = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    assert Image.open(io.BytesIO(blitted)).convert("RGB").tobytes() == whole.convert("RGB").tobytes()
+
+
+def test_a_curve_leaving_the_live_limits_redraws_the_figure_whole_with_new_limits():
+    curves = dashboard.Curves()
+    plot = dashboard.Plot()
+    for step in range(50):
+        curves.add({"step": step, "loss": 1.0})
+    plot.render(curves.snapshot())
+    curves.add({"step": 50, "loss": 100.0})
+    plot.render(curves.snapshot())
+    assert plot.blitted == 0
+    (ax,) = plot._figure.axes
+    assert ax.get_ylim()[1] > 100.0 and ax.get_xlim()[1] > 50
+    final = plot.render(curves.snapshot(), title="done")
+    assert final.startswith(b"\x89PNG") and plot.blitted == 0
+    (ax,) = plot._figure.axes  # (rebuilt with room for its title)
+    assert ax.get_xlim()[1] < 55  # the final figure's limits fit the data
+
+
+def test_the_live_figure_kept_between_jobs_draws_the_next_job_s_curves_alone():
+    first, second = dashboard.Curves(), dashboard.Curves()
+    for step in range(1000):
+        first.add({"step": step, "loss": step / 10})
+    for step in range(20):  # inside the first job's limits, and far narrower
+        second.add({"step": step, "loss": 40.0 + step / 20})
+    plot = dashboard.Plot()
+    plot.render(first.snapshot())
+    dashboard._keep_spare_plot(plot)
+    reused = dashboard._spare_plot()
+    assert reused is plot and dashboard._spare_plot() is not plot
+    reused.render(second.snapshot())
+    assert reused.blitted == 0
+    line, _ = reused._lines[("step", "loss")]
+    assert list(line.get_ydata()) == [40.0 + step / 20 for step in range(20)]
+    (ax,) = reused._figure.axes
+    low, high = ax.get_ylim()
+    assert 38 < low < 40 and 41 < high < 43 and ax.get_xlim()[1] < 30

@@ -21,6 +21,7 @@ with the ranks' own values): a record is made when it is read.
 """
 from __future__ import annotations
 
+import bisect
 import csv
 import time
 from array import array
@@ -28,12 +29,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ..wire.protocol import TOTAL_KEYS
+from ..wire.protocol import TOTAL_KEYS, expand_reports
 
 SETTLE_S = 2.0  # how long a metric waits for ranks that never reported it before it is reduced without them
 
 _ABSENT, _FLOAT, _INT, _TEXT, _OTHER = range(5)  # how a column holds one record's value
 _EXACT_INT = 2 ** 53  # ints up to this size are exact as floats
+_FLOATS, _INTS = bytes((_FLOAT,)), bytes((_INT,))
 
 
 class _Column:
@@ -87,6 +89,20 @@ class _Column:
         else:  # huge ints, bools, anything a history was built from
             self.others[index] = value
             kinds[index] = _OTHER
+
+    def extend(self, index: int, values: list) -> None:
+        """``set`` for records ``index``, ``index + 1``, ... in turn."""
+        if index == len(self.kinds):
+            if all(type(value) is float for value in values):
+                self.values.extend(values)
+                self.kinds.extend(_FLOATS * len(values))
+                return
+            if all(type(value) is int and -_EXACT_INT <= value <= _EXACT_INT for value in values):
+                self.values.extend(values)
+                self.kinds.extend(_INTS * len(values))
+                return
+        for offset, value in enumerate(values):
+            self.set(index + offset, value)
 
     def get(self, index: int) -> Any:
         kind = self.kinds[index]
@@ -305,6 +321,47 @@ class History(list):
         self._count += 1
         return self._count - 1
 
+    def _append_record(self, record: dict, own: dict[str, dict[int, Any]]) -> int:
+        """A new record at the end, with its by-rank values (the reducer's common case in one step); its index."""
+        index = self._count
+        self._layouts.of.append(self._layouts.code(tuple(record)))
+        columns = self._columns
+        for name, value in record.items():
+            column = columns.get(name)
+            if column is None:
+                column = columns[name] = _Column()
+            column.set(index, value)
+        self._own_layouts.of.append(self._own_layouts.code(tuple([(name, tuple(by_rank))
+                                                                   for name, by_rank in own.items()])))
+        columns = self._own_columns
+        for name, by_rank in own.items():
+            for rank, value in by_rank.items():
+                column = columns.get((name, rank))
+                if column is None:
+                    column = columns[(name, rank)] = _Column()
+                column.set(index, value)
+        self._count += 1
+        return index
+
+    def _append_records(self, fields: tuple, columns: list[list], own: dict[tuple[str, int], list],
+                        own_shape: tuple, count: int) -> None:
+        """``count`` new records at the end, alike: ``fields`` and a column of values each; by-rank values in
+        columns by (name, rank), ``own_shape`` their shape."""
+        index = self._count
+        self._layouts.of.extend([self._layouts.code(fields)] * count)
+        for name, values in zip(fields, columns):
+            column = self._columns.get(name)
+            if column is None:
+                column = self._columns[name] = _Column()
+            column.extend(index, values)
+        self._own_layouts.of.extend([self._own_layouts.code(own_shape)] * count)
+        for ident, values in own.items():
+            column = self._own_columns.get(ident)
+            if column is None:
+                column = self._own_columns[ident] = _Column()
+            column.extend(index, values)
+        self._count += count
+
     def _fields(self, index: int) -> tuple:
         return self._layouts.shapes[self._layouts.of[index]]
 
@@ -423,6 +480,53 @@ class _Point:
         self.meta: dict[str, Any] = {}
 
 
+class _Lane:
+    """One x key's reports in the common case, kept apart from the general points, in columns.
+
+    The case: every metric of the key has settled reporters, the same ranks for all, each report of theirs carries
+    all of them (in one order) and no ``n`` or ``epoch``, and each rank reports the same x values, each once,
+    rising.  Each rank's values wait in its columns until every rank has sent an x; the records of the x values
+    every rank has sent are then made together, with the values and order the general path gives them (a run of
+    reports, ``protocol.RUN``, goes in whole).  Anything else (a rank skipping an x, a late or repeated report,
+    another metric, a weight, a rank or reporters changing, a restart, the job's end) first hands the lane back to
+    the general path as the points it would hold (:meth:`Reducer._flush_lane`), and the general path goes on from
+    there.
+    """
+
+    __slots__ = ("ranks", "order", "names", "xs", "columns", "arrivals", "start", "done")
+
+    def __init__(self, ranks: frozenset, names: tuple):
+        self.ranks, self.names = ranks, names
+        self.order = tuple(sorted(ranks))
+        self.xs: dict[int, list] = {rank: [] for rank in ranks}  # each rank's x values, from start on waiting
+        self.columns: dict[int, list[list]] = {rank: [[] for _ in names] for rank in ranks}  # and its values
+        self.arrivals: dict[int, list[int]] = {rank: [] for rank in ranks}  # and when each came (Reducer._arrivals)
+        self.start: dict[int, int] = dict.fromkeys(ranks, 0)
+        self.done: list[tuple] = []  # (xs, first record's index, rank -> columns): made, not closed yet
+
+    def waiting(self, rank: int) -> int:
+        return len(self.xs[rank]) - self.start[rank]
+
+    def advance(self, rank: int, count: int) -> None:
+        start = self.start[rank] = self.start[rank] + count
+        if start > 4096 and 2 * start > len(self.xs[rank]):  # let go of what was taken
+            del self.xs[rank][:start], self.arrivals[rank][:start]
+            for column in self.columns[rank]:
+                del column[:start]
+            self.start[rank] = 0
+
+
+def _reduce(summed: bool, pairs: list[tuple[float, float]]) -> float:
+    """One x's value of a metric from the ranks' (value, weight) pairs, in rank order: their sum, or their mean
+    weighted by ``n`` (plain where the weights add up to 0)."""
+    if summed:
+        return sum(value for value, _ in pairs)
+    total_weight = sum(weight for _, weight in pairs)
+    if total_weight == 0:
+        return sum(value for value, _ in pairs) / len(pairs)
+    return sum(value * weight for value, weight in pairs) / total_weight
+
+
 def _ranks_text(ranks) -> str:
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -459,64 +563,220 @@ class Reducer:
         self._settled: set[tuple[str, str]] = set()  # its reporters are its senders (else: every rank)
         self._told: set[str] = set()  # names a notice was given for
         self._key_ranks_of: dict[str, frozenset] = {}  # _key_ranks, until reporters change
+        self._lanes: dict[str, _Lane] = {}  # x key -> its reports in the common case
+        self._arrivals = 0  # reports taken so far (their order, for a lane handed back)
 
     def add(self, rank: int, body: dict) -> list[dict]:
         """Take one rank's report; the updates it completed."""
         return self.add_many(rank, (body,))
 
     def add_many(self, rank: int, bodies) -> list[dict]:
-        """Take one rank's reports, in the order it made them (a batch of its ``metric`` event); the updates they
-        completed.  What every rank has moved past is closed once, after the batch."""
+        """Take one rank's reports, in the order it made them (a batch of its ``metric`` event: records, or runs of
+        them, ``protocol.RUN``); the updates they completed.  What every rank has moved past is closed once, after
+        the batch."""
         now = self.clock()
         updates = self.settle(now) if now >= self._next_deadline else []
         moved: list[str] = []  # the x keys whose ranks moved on
         for body in bodies:
-            key, x = body["key"], body["x"]
-            if body.get("total") is not None:
-                self.totals[key] = body["total"]
-            if body.get("sum"):
-                self.summed.update(body["sum"])
-            if self._orphans:
-                updates += self._settle_orphans(key, x)
-            pending = self._pending.get(key)
-            if pending is None:
-                pending = self._pending[key] = OrderedDict()
-            point = pending.get(x)
-            values = body["values"]
-            if point is None:
-                index = self._record_of(key, x)
-                if index is not None and not self._is_stale(index):
-                    fields = self.history._fields(index)
-                    late = [name for name in values if name in fields]
-                    if late:  # that x was closed without this rank: its record stands
-                        self._tell(late[0], f"rank {rank}'s {', '.join(late)} for {key} {x} arrived after that "
-                                            f"{key} was complete without it and "
-                                            f"{'was' if len(late) == 1 else 'were'} left out")
-                        values = {name: value for name, value in values.items() if name not in fields}
-                point = pending[x] = _Point()
-            point.ranks.add(rank)
-            weight = 1.0 if body.get("n") is None else float(body["n"])
-            for name, value in values.items():
-                senders = self._senders.get((key, name))
-                if senders is None or rank not in senders:
-                    self._new_sender(key, name, rank, x, now)
-                point.values.setdefault(name, {})[rank] = (value, weight)
-            if "epoch" in body:
-                point.meta["epoch"] = body["epoch"]
-            updates += self._release(key, x, point, final=False)
-
-            latest = self._latest.get(key)
-            if latest is None:
-                latest = self._latest[key] = {}
-            if x > latest.get(rank, float("-inf")):
-                latest[rank] = x
-                if key not in moved:
-                    moved.append(key)
+            if type(body) is tuple:  # a run
+                _, key, total, names, xs, columns = body
+                if total is not None:
+                    self.totals[key] = total
+                if not self._orphans.get(key) and self._lane_take(rank, key, names, xs, columns, updates):
+                    self._arrivals += len(xs)
+                    self._moved(rank, key, xs[-1], moved)
+                    continue
+                for record in expand_reports((body,)):
+                    self._take(rank, record, now, updates, moved)
+            else:
+                self._take(rank, body, now, updates, moved)
         for key in moved:
             updates += self._close_passed(key)
         return updates
 
+    def _take(self, rank: int, body: dict, now: float, updates: list, moved: list) -> None:
+        key, x = body["key"], body["x"]
+        if body.get("total") is not None:
+            self.totals[key] = body["total"]
+        if body.get("sum"):
+            self.summed.update(body["sum"])
+        if self._orphans:
+            updates += self._settle_orphans(key, x)
+        values = body["values"]
+        if (body.get("n") is not None or "epoch" in body or not values
+                or not self._lane_take(rank, key, tuple(values), [x], [[value] for value in values.values()],
+                                       updates)):
+            updates += self._add_point(rank, key, x, body, now)
+        self._arrivals += 1
+        self._moved(rank, key, x, moved)
+
+    def _moved(self, rank: int, key: str, x, moved: list) -> None:
+        latest = self._latest.get(key)
+        if latest is None:
+            latest = self._latest[key] = {}
+        if x > latest.get(rank, float("-inf")):
+            latest[rank] = x
+            if key not in moved:
+                moved.append(key)
+
+    def _add_point(self, rank: int, key: str, x, body: dict, now: float) -> list[dict]:
+        """The general path: one report into the point of its x."""
+        self._flush_lane(key)  # (the points a lane holds come first, as they came)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = OrderedDict()
+        point = pending.get(x)
+        values = body["values"]
+        if point is None:
+            index = self._record_of(key, x)
+            if index is not None and not self._is_stale(index):
+                fields = self.history._fields(index)
+                late = [name for name in values if name in fields]
+                if late:  # that x was closed without this rank: its record stands
+                    self._tell(late[0], f"rank {rank}'s {', '.join(late)} for {key} {x} arrived after that "
+                                        f"{key} was complete without it and "
+                                        f"{'was' if len(late) == 1 else 'were'} left out")
+                    values = {name: value for name, value in values.items() if name not in fields}
+            point = pending[x] = _Point()
+        point.ranks.add(rank)
+        weight = 1.0 if body.get("n") is None else float(body["n"])
+        for name, value in values.items():
+            senders = self._senders.get((key, name))
+            if senders is None or rank not in senders:
+                self._new_sender(key, name, rank, x, now)
+            point.values.setdefault(name, {})[rank] = (value, weight)
+        if "epoch" in body:
+            point.meta["epoch"] = body["epoch"]
+        return self._release(key, x, point, final=False)
+
+    def _lane_take(self, rank: int, key: str, names: tuple, xs: list, columns: list, updates: list) -> bool:
+        """Take a rank's reports (x values and a column of values a metric) in the key's lane (see :class:`_Lane`),
+        adding the updates they complete to ``updates``; False where they are not the lane's case (its lane, if
+        any, is handed back first)."""
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._open_lane(key, xs[0], names)
+            if lane is None:
+                return False
+        mine = lane.xs.get(rank)
+        if mine is None or names != lane.names:
+            self._flush_lane(key)
+            return False
+        waiting = lane.waiting(rank)
+        if waiting:
+            last = mine[-1]
+        else:
+            where = self._where.get(key)
+            last = where.last if where is not None and where.last is not None else float("-inf")
+        fits = xs[0] > last and (len(xs) == 1 or all(a < b for a, b in zip(xs, xs[1:])))
+        if fits:
+            for other in lane.order:
+                ahead = lane.waiting(other) - waiting
+                if other != rank and ahead > 0:
+                    overlap = min(len(xs), ahead)
+                    at = lane.start[other] + waiting
+                    if lane.xs[other][at:at + overlap] != xs[:overlap]:
+                        fits = False  # the ranks' x values part: one skipped one
+                        break
+        if not fits:
+            self._flush_lane(key)
+            return False
+        mine.extend(xs)
+        for column, values in zip(lane.columns[rank], columns):
+            column.extend(values)
+        lane.arrivals[rank].extend(range(self._arrivals, self._arrivals + len(xs)))
+        complete = min(map(lane.waiting, lane.order))
+        if complete:
+            updates += self._complete_lane(key, lane, complete)
+        return True
+
+    def _open_lane(self, key: str, x, names: tuple) -> _Lane | None:
+        pending = self._pending.get(key)
+        if pending and len(pending) > 1:  # (at most one x every rank reported stays open: the slowest rank's last)
+            return None
+        key_names = self._names.get(key)
+        if (not names or self._orphans.get(key) or key_names is None or len(key_names) != len(names)
+                or set(key_names) != set(names)):
+            return None
+        ranks = None
+        for name in names:
+            ident = (key, name)
+            if ident not in self._settled:
+                return None
+            senders = self._senders[ident]
+            if ranks is None:
+                ranks = frozenset(senders)
+            elif senders != ranks:
+                return None
+        where = self._where.get(key)
+        if where is not None and where.last is not None and not x > where.last:
+            return None
+        for point in (pending or {}).values():  # a general point still open must be all released
+            if point.index is None or any(point.released.get(name) != len(by_rank)
+                                          for name, by_rank in point.values.items()):
+                return None
+        lane = self._lanes[key] = _Lane(ranks, names)
+        return lane
+
+    def _complete_lane(self, key: str, lane: _Lane, count: int) -> list[dict]:
+        """The next ``count`` x values every rank has sent: their records, as the general path makes them."""
+        order, names = lane.order, lane.names
+        first = lane.start[order[0]]
+        xs = lane.xs[order[0]][first:first + count]
+        taken = {}
+        for rank in order:
+            at = lane.start[rank]
+            taken[rank] = [column[at:at + count] for column in lane.columns[rank]]
+            lane.advance(rank, count)
+        summed = self.summed
+        reduced = []
+        for j, name in enumerate(names):
+            by_rank = [taken[rank][j] for rank in order]
+            total = name in summed
+            reduced.append([_reduce(total, [(value, 1.0) for value in values]) for values in zip(*by_rank)])
+        history = self.history
+        index = len(history)
+        total = self.totals.get(key)
+        fields = (key,) if total is None else (key, TOTAL_KEYS[key])
+        history._append_records(fields + names, [xs] + ([] if total is None else [[total] * count]) + reduced,
+                                {(name, rank): taken[rank][j] for j, name in enumerate(names) for rank in order},
+                                tuple((name, order) for name in names), count)
+        where = self._where.get(key)
+        if where is None:
+            where = self._where[key] = _XIndex(history, key)
+        where.at.extend(range(index, index + count))
+        where.last = xs[-1]
+        self.counts[key] = self.counts.get(key, 0) + count
+        lane.done.append((xs, index, taken))
+        heads = (key,) + names
+        return [dict(zip(heads, row)) for row in zip(xs, *reduced)]
+
+    def _flush_lane(self, key: str) -> None:
+        """Hand the key's lane back to the general path: the points it would hold, in the order they came."""
+        lane = self._lanes.pop(key, None)
+        if lane is None:
+            return
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = OrderedDict()
+        names, order = lane.names, lane.order
+        for xs, index, taken in lane.done:
+            for i, x in enumerate(xs):
+                point = pending[x] = _Point()
+                point.index = index + i
+                point.values = {name: {rank: (taken[rank][j][i], 1.0) for rank in order}
+                                for j, name in enumerate(names)}
+                point.ranks = set(order)
+                point.released = dict.fromkeys(names, len(order))
+        waiting = sorted((lane.arrivals[rank][i], rank, lane.xs[rank][i],
+                          [column[i] for column in lane.columns[rank]])
+                         for rank in order for i in range(lane.start[rank], len(lane.xs[rank])))
+        now = self.clock()
+        for _, rank, x, values in waiting:  # none is complete: no update comes of it
+            self._add_point(rank, key, x, {"key": key, "x": x, "values": dict(zip(names, values))}, now)
+
     def _new_sender(self, key: str, name: str, rank: int, x: float, now: float) -> None:
+        self._flush_lane(key)  # (its ranks change)
         ident = (key, name)
         senders = self._senders.get(ident)
         if senders is None:
@@ -561,6 +821,8 @@ class Reducer:
         reported them so far.  Releases what they completed."""
         now = self.clock() if now is None else now
         due = [ident for ident, at in self._deadlines.items() if at <= now]
+        for key, _ in due:
+            self._flush_lane(key)  # (its reporters change)
         keys = []
         for ident in due:
             del self._deadlines[ident]
@@ -594,9 +856,23 @@ class Reducer:
         pending = self._pending.get(key)
         latest = self._latest.get(key, {})
         ranks = self._key_ranks(key)
-        if not pending or len(latest) < len(ranks) or not ranks <= latest.keys():
+        lane = self._lanes.get(key)
+        if not (pending or lane) or len(latest) < len(ranks) or not ranks <= latest.keys():
             return []
         floor = min(map(latest.__getitem__, ranks))
+        if lane is not None and lane.done and lane.done[0][0][0] < floor:  # (made whole: closing them is all)
+            kept = []
+            for xs, index, taken in lane.done:
+                if xs[-1] < floor:
+                    continue
+                if xs[0] < floor:
+                    cut = bisect.bisect_left(xs, floor)
+                    xs, index = xs[cut:], index + cut
+                    taken = {rank: [column[cut:] for column in columns] for rank, columns in taken.items()}
+                kept.append((xs, index, taken))
+            lane.done = kept
+        if not pending:
+            return []
         if next(iter(pending)) >= floor:
             return []
         updates = []
@@ -624,6 +900,8 @@ class Reducer:
         """The job restarts on fresh ranks.  Its records stay until the new attempt replays their x values; what
         the failed attempt left unfinished is dropped where the new attempt replays it, and released as partial
         where it does not (its first report lies beyond, or the job ends)."""
+        for key in list(self._lanes):
+            self._flush_lane(key)
         for key, pending in self._pending.items():
             self._orphans.setdefault(key, {}).update(pending)
             pending.clear()
@@ -646,6 +924,8 @@ class Reducer:
 
     def finish(self) -> list[dict]:
         """The job ended: release everything still held back, marked partial where reporters are missing."""
+        for key in list(self._lanes):
+            self._flush_lane(key)
         updates = self.settle(float("inf"))
         for key, orphans in self._orphans.items():
             for x in sorted(orphans):
@@ -672,13 +952,27 @@ class Reducer:
             self._fresh.add(index)
 
     def _reduce(self, name: str, by_rank: dict[int, tuple[float, float]]) -> float:
-        pairs = [by_rank[r] for r in sorted(by_rank)]
-        if name in self.summed:
-            return sum(value for value, _ in pairs)
-        total_weight = sum(weight for _, weight in pairs)
-        if total_weight == 0:
-            return sum(value for value, _ in pairs) / len(pairs)
-        return sum(value * weight for value, weight in pairs) / total_weight
+        return _reduce(name in self.summed, [by_rank[r] for r in sorted(by_rank)])
+
+    def _new_record(self, key: str, x, meta: dict, reduced: dict, own: dict, partial: list) -> tuple[int, dict]:
+        """The record of an x that has none: its index, and its update."""
+        history = self.history
+        update = {key: x, **meta, **reduced} if meta else {key: x, **reduced}
+        if partial:
+            update["partial"] = ",".join(partial)
+        total = self.totals.get(key)
+        if total is None:
+            index = history._append_record(update, own)
+        else:
+            record = {key: x, TOTAL_KEYS[key]: total}
+            record.update(update)
+            index = history._append_record(record, own)
+        where = self._where.get(key)
+        if where is None:
+            where = self._where[key] = _XIndex(history, key)
+        where.add(x, index)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return index, update
 
     def _release(self, key: str, x: float, point: _Point, final: bool) -> list[dict]:
         if not final and point.values:  # the common case first: is anything new complete?
@@ -712,22 +1006,7 @@ class Reducer:
         if index is None:
             if not (reduced or final or (not point.values and point.ranks >= self._key_ranks(key))):
                 return []
-            record = {key: x}
-            if key in self.totals:
-                record[TOTAL_KEYS[key]] = self.totals[key]
-            index = history._append()
-            where = self._where.get(key)
-            if where is None:
-                where = self._where[key] = _XIndex(history, key)
-            where.add(x, index)
-            self.counts[key] = self.counts.get(key, 0) + 1
-            point.index = index
-            update = {key: x, **point.meta, **reduced}
-            if partial:
-                update["partial"] = ",".join(partial)
-            record.update(update)
-            history._update(index, record)
-            history._update_own(index, own)
+            point.index, update = self._new_record(key, x, point.meta, reduced, own, partial)
             point.meta = {}
             return [update]
         if not reduced:

@@ -29,16 +29,17 @@ from ..engine.history import History, Reducer
 from ..engine.output import release_kernel_pipe
 from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
-STATUS_EVERY_S = 0.25
+STATUS_EVERY_S = 0.5  # the status line and the figure are looked at this often
 MIN_REDRAW_S = 0.5  # two figure redraws a second at most
-# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (30-200 ms of
-# matplotlib's CPU, mostly ticks and labels) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
+# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (3-10 ms where the
+# curves stay inside the live limits and only they are drawn, 30-200 ms of matplotlib's CPU, mostly ticks and
+# labels, where the whole figure is) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
 # DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
-# changes its curves at every tick (report() every step) redraws every few seconds, not every half second.  A
+# changes its curves at every tick (report() every step) redraws every second or two, not every half second.  A
 # redraw is charged the drawing thread's CPU time, not the wall time a busy machine stretches it to.  A figure of
 # few updates (FEW_UPDATES: an epoch-wise run) is redrawn at each change, paced by MIN_REDRAW_S alone.
-DRAW_SHARE = 0.005
-DRAW_BURST_S = 0.1
+DRAW_SHARE = 0.003
+DRAW_BURST_S = 0.05
 FEW_UPDATES = 200  # until the curves have had this many updates (an epoch-wise run's), each change is drawn
 MAX_STALE_S = 10.0  # but a figure that changed is drawn at least this often, whatever a redraw costs
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
@@ -267,6 +268,7 @@ class Curves:
         self.partial: dict[tuple[str, str], Series] = {}
         self.restarts: list[tuple[str, float]] = []  # (x key, x) where an attempt failed and the job restarted
         self.reporters: dict[str, list[int]] = {}  # metrics only some ranks report: their ranks (history's)
+        self.totals: dict[str, float] = {}  # x key -> the x the run ends at, where the ranks said it (the reducer's)
         self.version = 0
 
     def mark_restart(self, key: str, x: float) -> None:
@@ -300,6 +302,7 @@ class Curves:
             "partial": {k: series.lists() for k, series in self.partial.items()},
             "restarts": list(self.restarts),
             "reporters": {name: tuple(ranks) for name, ranks in self.reporters.items()},
+            "totals": dict(self.totals),
         }
 
 
@@ -328,9 +331,18 @@ def _thin(xs: list, ys: list) -> tuple[list, list]:
 
 
 class Plot:
-    """The matplotlib figure (Agg, no pyplot): losses together, accuracies together, others by name."""
+    """The matplotlib figure (Agg, no pyplot): losses together, accuracies together, others by name.
+
+    A live figure (no title) is drawn in two layers: the axes, ticks, labels and legends once, kept as a bitmap,
+    and the curves over it.  While every curve stays inside its axes' limits, a new frame only restores the
+    bitmap and draws the curves (a few ms, where a whole figure takes 30 ms and more of matplotlib's text
+    layout); the live limits leave room ahead (to the run's end where the ranks gave it, ``steps=``/``epochs=``,
+    else a quarter more) so that holds most of the time.  The final figure is drawn whole, its limits fitted to
+    the data.
+    """
 
     PANEL_W, PANEL_H, DPI = 3.4, 2.4, 100
+    HEADROOM = 0.25  # live limits: this share of the curve's range left free ahead of it (x) and around it (y)
 
     def __init__(self):
         self._figure = None
@@ -338,6 +350,9 @@ class Plot:
         self._lines: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._axes: list[tuple[Any, str]] = []  # (axes, x key)
         self._markers: list[Any] = []  # the restart lines drawn
+        self._background = None  # the live figure without its curves, while its limits hold
+        self._background_of = None  # (restarts, markers shown) the background was drawn with
+        self.blitted = 0  # frames drawn over the kept background (for tests and benchmarks)
 
     @property
     def built(self) -> bool:
@@ -358,31 +373,95 @@ class Plot:
         if layout != self._layout:
             self._build(order, panels, title is not None, reporters)
             self._layout = layout
-        if title is not None:
+            self._background = None
+        live = title is None
+        if not live:
             self._figure.suptitle(title, fontsize=10)
+        markers_shown = []
         for ident, (line, partial_line) in self._lines.items():
             xs, ys = _thin(*points[ident])
             line.set_data(xs, ys)
-            line.set_marker("o" if len(xs) <= 40 else "")
+            marked = len(xs) <= 40
+            markers_shown.append(marked)
+            line.set_marker("o" if marked else "")
             pxs, pys = snapshot["partial"].get(ident, ([], []))
             partial_line.set_data(pxs, pys)
-        for marker in self._markers:
-            marker.remove()
-        self._markers = [ax.axvline(x, color="tab:red", linestyle=":", linewidth=1)
-                         for ax, key in self._axes for restart_key, x in snapshot.get("restarts", ())
-                         if restart_key == key]
-        for ax in self._figure.axes:
-            ax.relim()
-            ax.autoscale_view()
+        restarts = tuple(snapshot.get("restarts", ()))
+        drawn_with = (restarts, tuple(markers_shown))
+        canvas = self._figure.canvas
+        if live and self._background is not None and drawn_with == self._background_of and self._curves_fit():
+            canvas.restore_region(self._background)
+            self._draw_curves()
+            self.blitted += 1
+        else:
+            for marker in self._markers:
+                marker.remove()
+            self._markers = [ax.axvline(x, color="tab:red", linestyle=":", linewidth=1)
+                             for ax, key in self._axes for restart_key, x in restarts if restart_key == key]
+            for ax, key in self._axes:
+                ax.relim()
+                ax.autoscale_view()
+                if live:
+                    self._leave_room(ax, snapshot.get("totals", {}).get(key))
+            for line, partial_line in self._lines.values():
+                line.set_animated(live)
+                partial_line.set_animated(live)
+            canvas.draw()  # (savefig would draw the same, with a quarter more of bookkeeping around it)
+            if live:
+                self._background = canvas.copy_from_bbox(self._figure.bbox)
+                self._background_of = drawn_with
+                self._draw_curves()
+            else:
+                self._background = None
         from PIL import Image  # (matplotlib's own dependency, imported with it)
 
-        canvas = self._figure.canvas
-        canvas.draw()  # (savefig would draw the same, with a quarter more of bookkeeping around it)
         width, height = canvas.get_width_height()
         image = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
         buffer = io.BytesIO()
         image.convert("RGB").save(buffer, format="png", compress_level=compress_level)
         return buffer.getvalue()
+
+    def forget_limits(self) -> None:
+        """The next frame is drawn whole, its limits fitted to its curves (a new job's, on a figure kept)."""
+        self._background = None
+
+    def _draw_curves(self) -> None:
+        for ax, key in self._axes:
+            for line in ax.get_lines():
+                if line.get_animated():
+                    ax.draw_artist(line)
+
+    def _curves_fit(self) -> bool:
+        """Whether every curve lies inside its axes' present limits."""
+        import numpy
+
+        for ax, _ in self._axes:
+            (x_low, x_high), (y_low, y_high) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+            for line in ax.get_lines():
+                if not line.get_animated():
+                    continue
+                xs = numpy.asarray(line.get_xdata(), dtype=float)
+                ys = numpy.asarray(line.get_ydata(), dtype=float)
+                shown = numpy.isfinite(xs) & numpy.isfinite(ys)
+                if not shown.any():
+                    continue
+                xs, ys = xs[shown], ys[shown]
+                if xs.min() < x_low or xs.max() > x_high or ys.min() < y_low or ys.max() > y_high:
+                    return False
+        return True
+
+    def _leave_room(self, ax, total) -> None:
+        """Live limits: room ahead on x (to the run's end where known) and around the curve on y."""
+        x_low, x_high = ax.get_xlim()
+        if x_high > x_low:
+            ahead = x_high + (x_high - x_low) * self.HEADROOM
+            if total is not None and x_high < total:
+                ahead = total + (total - x_low) * ax.margins()[0]
+            ax.set_xlim(x_low, ahead, auto=True)  # (the next autoscale fits the data again)
+        y_low, y_high = ax.get_ylim()
+        if y_high > y_low and ax.get_yscale() == "linear":
+            room = (y_high - y_low) * self.HEADROOM
+            ax.set_ylim(y_low - room, y_high + room, auto=True)
 
     def _build(self, order: list, panels: dict, titled: bool, reporters: dict) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -415,13 +494,31 @@ class Plot:
             if key == "epoch":
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             for name in panels[(group, key)]:
-                (line,) = ax.plot([], [], label=label(name, reporters), linewidth=1.5, markersize=3)
+                # Above the axes' frame and ticks (zorder 2.5), as a live frame draws them over its background.
+                (line,) = ax.plot([], [], label=label(name, reporters), linewidth=1.5, markersize=3, zorder=3)
                 (partial_line,) = ax.plot([], [], linestyle="", marker="o", markersize=6, markerfacecolor="none",
-                                          color=line.get_color())
+                                          color=line.get_color(), zorder=3)
                 self._lines[(key, name)] = (line, partial_line)
             if len(panels[(group, key)]) > 1:
                 ax.legend(fontsize=8, loc="lower right" if group == "accuracy" else "upper right")
         self._figure = figure
+
+
+_spare_plots: list[Plot] = []  # one live figure kept between jobs: building one costs 60 ms and more of the kernel
+
+
+def _spare_plot() -> Plot:
+    try:
+        plot = _spare_plots.pop()
+    except IndexError:
+        return Plot()
+    plot.forget_limits()
+    return plot
+
+
+def _keep_spare_plot(plot: Plot) -> None:
+    if plot.built:
+        _spare_plots[:] = [plot]
 
 
 def _forget_fonts() -> None:
@@ -503,7 +600,7 @@ class DisplayView:
         self.stop_button, self.stop_output = _stop_button(stop, stop_hint) if stop is not None else (None, None)
         self.status_output = CellOutput({"text/plain": "ddp_notebook: starting"})
         self.figure_output = CellOutput({"text/plain": ""})  # the figure takes this place once there is one
-        self.plot = Plot()
+        self.plot = _spare_plot()
         self.updates_sent = 0
         self._drawn_version = -1
         self._next_draw = 0.0
@@ -599,7 +696,9 @@ class DisplayView:
             # its layout and style are widgets too, kept by ipywidgets until closed (jupyter-widgets/ipywidgets#2308)
             for widget in (self.stop_button, self.stop_button.layout, self.stop_button.style):
                 widget.close()
+        live_plot, self.plot = self.plot, Plot()  # the final figure is drawn apart, with its title...
         self.refresh(final=True)
+        _keep_spare_plot(live_plot)  # ...and the live one is kept for the next job's dashboard
         _forget_fonts()
 
 
@@ -695,6 +794,7 @@ class Watcher:
         self.forwarder = Forwarder(getattr(job, "callbacks", ()))
         self.views: list = []
         self.curves.reporters = self.reducer.history.reporters if isinstance(job.history, History) else {}
+        self.curves.totals = self.reducer.totals
         self._forwarding = threading.RLock()  # updates reach callbacks and views in order, from either thread
         self._settle_timer: threading.Timer | None = None
         self._view_chosen = False
@@ -725,7 +825,7 @@ class Watcher:
                     reports = body["reports"]
                     updates = self.reducer.add_many(rank, reports)
                     for report in reports:
-                        if "rank_stats" in report:
+                        if type(report) is dict and "rank_stats" in report:  # (a run carries none)
                             self.job.ranks.add(rank, report["rank_stats"])
                     for update in updates:
                         self.curves.add(update)

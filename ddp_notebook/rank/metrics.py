@@ -41,7 +41,7 @@ class _Batch:
     instead of 1,000, a lone report leaves within 50 ms, and none is left
     behind: every batch is in the sender's queue before ``report()`` returns,
     and the worker flushes that queue.  It arrives in the notebook as a plain
-    ``{"reports": [...]}`` dict.
+    ``{"reports": [...]}`` dict, alike reports packed in runs (``protocol.pack_reports``).
     """
 
     __slots__ = ("reports", "sealed", "sender")
@@ -58,7 +58,7 @@ class _Batch:
             self.sealed = True
             reports = list(self.reports)
         _window_s = BUSY_BATCH_WINDOW_S if len(reports) >= BUSY_BATCH else BATCH_WINDOW_S
-        return dict, ((("reports", reports),),)
+        return dict, ((("reports", protocol.pack_reports(reports)),),)
 
 
 class Sum:

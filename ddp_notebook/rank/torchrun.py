@@ -453,7 +453,7 @@ class _Writer:
                 elif rank < 0:
                     continue
                 elif kind == protocol.METRIC:
-                    for report in body["reports"]:
+                    for report in protocol.expand_reports(body["reports"]):
                         self._line({"event": protocol.METRIC, "rank": rank, **report})
                 elif kind == protocol.PROGRESS:
                     now = time.monotonic()

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 # The notebook to a rank
@@ -26,7 +27,7 @@ HELLO = "hello"  # {rank, pid[, node, host]}: the first message on a connection
 READY = "ready"  # {}: the process group is up
 RESULT = "result"  # {task, value[, stopped]}: (stopped: where a graceful stop ended it, {epoch, batch} or {step}) the pickled return value (rank side: payload.dumps_result)
 FAILED = "failed"  # {task, etype, message, traceback, time, kind}: see errors.Failure
-METRIC = "metric"  # {reports: [record, ...]}: report() calls, batched
+METRIC = "metric"  # {reports: [record or run, ...]}: report() calls, batched (pack_reports, expand_reports)
 PROGRESS = "progress"  # {done, total}: progress() within an epoch
 DISPLAY = "display"  # {data, metadata}: display() or plt.show() in a rank: one display bundle (rank/display.py)
 SYNCED = "synced"  # {task, stage}: answer to SYNC, once past the store ("store") and the group check ("group")
@@ -53,6 +54,57 @@ RESTARTED = "restarted"  # {attempt, attempts, cause, failure}: an attempt faile
 X_KEYS = ("epoch", "step")
 TOTAL_KEYS = {"epoch": "epochs", "step": "steps"}
 META_KEYS = frozenset(("epoch", "step", "epochs", "steps", "partial"))  # where a record sits, not what it measured
+
+# A METRIC's reports: each a record {key, x, values[, total, n, sum, epoch, rank_stats]}, or a run of records that
+# carry key, x, values and total alone, with the same key, metric names (in one order) and total, one after the
+# other: (RUN, key, total, names, xs, columns), columns[j][i] the value of names[j] at xs[i].  A rank reporting every
+# step sends a few runs a second: a list of numbers a metric is a fraction of a dict a report to pickle and read.
+RUN = "run"
+_RUN_FIELDS = frozenset(("key", "x", "values", "total"))
+
+
+def pack_reports(reports: list[dict]) -> list:
+    """The reports as a METRIC carries them: runs where they follow one another alike, records elsewhere."""
+    packed: list = []
+    run: tuple | None = None  # the open run, and the record it began with (a run of one goes as that record)
+    first: dict | None = None
+    alike: tuple | None = None  # (key, total, names) of the open run
+    for report in reports:
+        shape = None
+        if report.keys() <= _RUN_FIELDS and report["values"]:
+            values = report["values"]
+            shape = (report["key"], report.get("total"), tuple(values))
+            if shape == alike:
+                run[4].append(report["x"])
+                for column, value in zip(run[5], values.values()):
+                    column.append(value)
+                continue
+        if run is not None and len(run[4]) == 1:
+            packed[-1] = first
+        if shape is None:
+            run = first = alike = None
+            packed.append(report)
+        else:
+            run, first, alike = (RUN, *shape, [report["x"]], [[value] for value in values.values()]), report, shape
+            packed.append(run)
+    if run is not None and len(run[4]) == 1:
+        packed[-1] = first
+    return packed
+
+
+def expand_reports(items) -> Iterator[dict]:
+    """A METRIC's reports one record at a time, runs unpacked."""
+    for item in items:
+        if type(item) is tuple and item[0] == RUN:
+            _, key, total, names, xs, columns = item
+            for i, x in enumerate(xs):
+                record = {"key": key, "x": x, "values": {name: column[i] for name, column in zip(names, columns)}}
+                if total is not None:
+                    record["total"] = total
+                yield record
+        else:
+            yield item
+
 
 # Exported runs write their events to one JSON-lines file per node: records {"event": ..., "time", "run", "node",
 # "rank", ...}, read back by follow().  READY, METRIC, PROGRESS and FAILED carry the fields of the messages above.

@@ -121,6 +121,14 @@ class _Column:
             self.kinds[index] = _ABSENT
 
 
+def _column(columns: dict, ident) -> _Column:
+    """The column of ``ident`` (a name, or (name, rank)), made empty where there is none yet."""
+    column = columns.get(ident)
+    if column is None:
+        column = columns[ident] = _Column()
+    return column
+
+
 class _Layouts:
     """The distinct shapes of the records (their fields, in order), each named by a small code.
 
@@ -322,25 +330,10 @@ class History(list):
         return self._count - 1
 
     def _append_record(self, record: dict, own: dict[str, dict[int, Any]]) -> int:
-        """A new record at the end, with its by-rank values (the reducer's common case in one step); its index."""
-        index = self._count
-        self._layouts.of.append(self._layouts.code(tuple(record)))
-        columns = self._columns
-        for name, value in record.items():
-            column = columns.get(name)
-            if column is None:
-                column = columns[name] = _Column()
-            column.set(index, value)
-        self._own_layouts.of.append(self._own_layouts.code(tuple([(name, tuple(by_rank))
-                                                                   for name, by_rank in own.items()])))
-        columns = self._own_columns
-        for name, by_rank in own.items():
-            for rank, value in by_rank.items():
-                column = columns.get((name, rank))
-                if column is None:
-                    column = columns[(name, rank)] = _Column()
-                column.set(index, value)
-        self._count += 1
+        """A new record at the end, with its by-rank values; its index."""
+        index = self._append()
+        self._update(index, record)
+        self._update_own(index, own)
         return index
 
     def _append_records(self, fields: tuple, columns: list[list], own: dict[tuple[str, int], list],
@@ -350,16 +343,10 @@ class History(list):
         index = self._count
         self._layouts.of.extend([self._layouts.code(fields)] * count)
         for name, values in zip(fields, columns):
-            column = self._columns.get(name)
-            if column is None:
-                column = self._columns[name] = _Column()
-            column.extend(index, values)
+            _column(self._columns, name).extend(index, values)
         self._own_layouts.of.extend([self._own_layouts.code(own_shape)] * count)
         for ident, values in own.items():
-            column = self._own_columns.get(ident)
-            if column is None:
-                column = self._own_columns[ident] = _Column()
-            column.extend(index, values)
+            _column(self._own_columns, ident).extend(index, values)
         self._count += count
 
     def _fields(self, index: int) -> tuple:
@@ -372,12 +359,8 @@ class History(list):
         """``record.update(values)``."""
         layouts = self._layouts
         layouts.of[index] = layouts.grown(layouts.of[index], tuple(values))
-        columns = self._columns
         for name, value in values.items():
-            column = columns.get(name)
-            if column is None:
-                column = columns[name] = _Column()
-            column.set(index, value)
+            _column(self._columns, name).set(index, value)
 
     def _remove(self, index: int, names) -> None:
         """``del record[name]`` for each of ``names`` it holds."""
@@ -398,10 +381,7 @@ class History(list):
         for name, by_rank in own.items():
             shape[name] = tuple(by_rank)
             for rank, value in by_rank.items():
-                column = columns.get((name, rank))
-                if column is None:
-                    column = columns[(name, rank)] = _Column()
-                column.set(index, value)
+                _column(columns, (name, rank)).set(index, value)
         layouts.of[index] = layouts.code(tuple(shape.items()))
 
     def _clear_own(self, index: int) -> None:
@@ -493,11 +473,10 @@ class _Lane:
     there.
     """
 
-    __slots__ = ("ranks", "order", "names", "xs", "columns", "arrivals", "start", "done")
+    __slots__ = ("order", "names", "xs", "columns", "arrivals", "start", "done")
 
     def __init__(self, ranks: frozenset, names: tuple):
-        self.ranks, self.names = ranks, names
-        self.order = tuple(sorted(ranks))
+        self.order, self.names = tuple(sorted(ranks)), names
         self.xs: dict[int, list] = {rank: [] for rank in ranks}  # each rank's x values, from start on waiting
         self.columns: dict[int, list[list]] = {rank: [[] for _ in names] for rank in ranks}  # and its values
         self.arrivals: dict[int, list[int]] = {rank: [] for rank in ranks}  # and when each came (Reducer._arrivals)

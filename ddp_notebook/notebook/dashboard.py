@@ -373,7 +373,7 @@ class Plot:
         if layout != self._layout:
             self._build(order, panels, title is not None, reporters)
             self._layout = layout
-            self._background = None
+            self.forget_limits()
         live = title is None
         if not live:
             self._figure.suptitle(title, fontsize=10)
@@ -426,7 +426,7 @@ class Plot:
         self._background = None
 
     def _draw_curves(self) -> None:
-        for ax, key in self._axes:
+        for ax, _ in self._axes:
             for line in ax.get_lines():
                 if line.get_animated():
                     ax.draw_artist(line)

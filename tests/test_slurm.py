@@ -169,6 +169,60 @@ def test_a_notebook_model_trains_on_slurm_tasks_over_the_channel(slurm, tmp_path
     assert _no_staging(tmp_path) == []
 
 
+ASLEEP = """%%ddp --executor ex --hang-after 2
+import time, torch, torch.distributed as dist
+dist.all_reduce(torch.ones(1))
+if rank == 1:
+    time.sleep({seconds})  # ASLEEP
+dist.all_reduce(torch.ones(1))
+"""
+
+ASK_WHY = """
+job = ddp_notebook.last_job()
+deadline = time.time() + 60
+while time.time() < deadline:
+    found = job.why()
+    if found.missing:
+        break
+    time.sleep(0.5)
+print("WHY", json.dumps({"missing": found.missing, "waiting": {r: e["name"] for r, e in found.waiting.items()},
+                         "text": found.text, "stacks": str(job.stacks())}))
+job.stop(timeout=30)
+print("STATUS", job.status)
+"""
+
+
+@pytest.mark.kernel
+def test_a_hang_of_a_slurm_job_is_explained_over_the_channel(slurm, tmp_path):
+    """A Slurm task shares no folder with the notebook: job.why() and job.stacks() ask it over the channel, and
+    --hang-after says why by itself, with the sleeping rank's cell line."""
+    folder = str(tmp_path / "runs" / "%j")
+    with kernel() as (km, kc):
+        _run(kc, _setup(folder) + "import json")
+        out, _ = _run(kc, ASLEEP.format(seconds=15))
+        job_id = _job_id(out)
+        assert "the ranks report over this kernel's channel" in out
+        assert re.search(r"job #\d+ made no progress for 2 s \(--hang-after\); it goes on\. Why:\n"
+                         r"rank 0 waits in all_reduce #(\d+) since 0:00:0\d\n"
+                         r"rank 1 has not reached it \(its last was #\d+\): it is at cell line 5, "
+                         r"`time.sleep\(15\)  # ASLEEP`", out), out
+        assert "Traceback" not in out and "Error" not in out, out  # the job went on and ended well
+        assert _leaves_queue(job_id, 15)
+
+        out, _ = _run(kc, ASLEEP.format(seconds=600).replace("--hang-after 2", "--hang-after 600 --background"))
+        asleep_job = _job_id(out)
+        out, _ = _run(kc, ASK_WHY, timeout=150)
+        found = json.loads(re.search(r"WHY (\{.*\})", out).group(1))
+        assert found["missing"] == [1] and found["waiting"] == {"0": "all_reduce"}, found
+        assert "no Flight Recorder answer" not in found["text"], found
+        assert "rank 1 has not reached it" in found["text"] and "`time.sleep(600)  # ASLEEP`" in found["text"]
+        assert re.search(r"rank 0: .*all_reduce.* ← Cell In\[\d+\] line 6", found["stacks"]), found
+        assert re.search(r"rank 1: .*Cell In\[\d+\] line 5", found["stacks"]), found
+        assert "STATUS stopped" in out, out
+        assert _leaves_queue(asleep_job, 15)
+    assert _no_staging(tmp_path) == []
+
+
 @pytest.mark.kernel
 def test_unreachable_notebook_the_ranks_report_through_files(slurm, tmp_path):
     folder = str(tmp_path / "runs" / "%j")

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.reduction import ForkingPickler
@@ -55,7 +56,7 @@ def rank_environment(spec, port: int | None, rank: int, local_rank: int, local_w
     env.update(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
     # job.why(): torch's Flight Recorder keeps each rank's last collectives (read as the process group is made)
-    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_FR_BUFFER_SIZE", protocol.FLIGHT_RECORDER_ENTRIES)
     if rank >= 0:
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
@@ -141,6 +142,13 @@ class RankBackend(abc.ABC):
     def kill(self) -> None:
         """Stop every rank and anything it started, and remove what the backend made."""
 
+    def where(self, ranks, wait: float, collectives: bool = True, stack: bool = True) -> dict[int, dict]:
+        """What the ranks that the notebook reaches only through the channel (an export's: a Slurm task, a rank of
+        another host) say of themselves, asked now: rank -> their ``HERE`` (the Flight Recorder's entries under
+        ``collectives``, every thread's stack under ``stack``), for those that answered within ``wait`` seconds.
+        The ranks of this host answer through the job's folder instead (``hangs.ask``, ``stacks.collect``)."""
+        return {}
+
     def describe_exit(self, rank: int, code: int | None) -> str:
         """How a rank that ended without a word ended: its exit ``code``, a negative signal number, or None
         when only its lost connection tells."""
@@ -197,6 +205,9 @@ class ChannelRanks(RankBackend):
         self.cut: dict[int, str] = {}  # rank -> why its connection was cut (a message failed its check)
         self._poller: tuple[tuple, Any, dict] | None = None  # (what it watches, select.poll, fd -> object)
         self._exits_checked = 0.0
+        self._pumped_by: int | None = None  # the thread that pumps (the job's): where() pumps there, else waits
+        self._heard = threading.Condition()
+        self._here: dict[int, dict] = {}  # rank -> its latest HERE (where())
 
     def start(self, task: Any = None, task_id: int = 0) -> "ChannelRanks":
         """Start every rank (:meth:`launch`); what was started is stopped again if that fails."""
@@ -243,8 +254,34 @@ class ChannelRanks(RankBackend):
     def alive(self) -> list[int]:
         return [rank for rank, proc in enumerate(self.procs) if proc.poll() is None]
 
+    def where(self, ranks, wait: float, collectives: bool = True, stack: bool = True) -> dict[int, dict]:
+        if not self.runs_own_task:
+            return {}  # (a notebook's own ranks read their channel between tasks alone)
+        connected = {r for r in self.connections.values() if r >= 0}
+        asked = [r for r in ranks if r in connected and r not in self.exited]
+        if not asked:
+            return {}
+        with self._heard:
+            for rank in asked:
+                self._here.pop(rank, None)  # (an answer is taken by arrival: the ranks' clocks may differ)
+        self.send_to(asked, (protocol.WHERE, {"collectives": collectives, "stack": stack}))
+        deadline = time.monotonic() + wait
+
+        def answered() -> dict[int, dict]:
+            with self._heard:
+                return {r: self._here[r] for r in asked if r in self._here}
+
+        while len(answered()) < len(asked) and time.monotonic() < deadline:
+            if self._pumped_by in (None, threading.get_ident()):
+                self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+            else:
+                with self._heard:
+                    self._heard.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        return answered()
+
     # -- watch -----------------------------------------------------------
     def pump(self, timeout: float = 0.1) -> None:
+        self._pumped_by = threading.get_ident()
         self.take_new_connections()
         ready = self._ready(timeout)
         connected = len(self.connections)
@@ -352,6 +389,11 @@ class ChannelRanks(RankBackend):
             return  # nothing counts before a rank has said who it is
         elif kind == protocol.READY:
             self.ready.add(rank)
+        elif kind == protocol.HERE:  # (the answer to where(): not news of the job, nor its progress)
+            with self._heard:
+                self._here[rank] = body
+                self._heard.notify_all()
+            return
         log.debug("rank %s: %s %s", rank, kind, sorted(body))
         self.handle(rank, kind, body)
 

@@ -3,7 +3,8 @@ progress): which ranks wait in which collective, which rank has not joined it an
 finished their task, and which called a different collective than the others.
 
 Each rank's collectives come from torch's Flight Recorder, read by a thread of the rank on request
-(``rank/collectives.py``: a byte written into its FIFO in the job's directory, the entries written back as JSON);
+(``rank/collectives.py``: a byte written into its FIFO in the job's directory, the entries written back as JSON;
+an export's rank, a Slurm task or a rank of another host, is asked over the channel: ``RankBackend.where``);
 where each rank is comes from its stack (``stacks.collect``), shown at the cell's own line with the line's code.
 """
 from __future__ import annotations
@@ -22,13 +23,12 @@ DEFAULT_HANG_AFTER = 180.0  # seconds without progress before a running job says
 
 
 def ask(group, ranks: list[int], wait: float = 2.0) -> dict[int, list[dict] | None]:
-    """Each rank's Flight Recorder entries (oldest first), or None where the rank did not answer within ``wait``."""
+    """Each rank's Flight Recorder entries (oldest first), or None where the rank did not answer within ``wait``:
+    through the job's folder from the ranks of this host, over the channel from an export's (``group.where``)."""
     found: dict[int, list[dict] | None] = {rank: None for rank in ranks}
     workdir = group.workdir
-    if workdir is None:
-        return found
     asked = {}
-    for rank in ranks:
+    for rank in ranks if workdir is not None else ():
         if rank not in group.alive:
             continue
         try:
@@ -52,6 +52,11 @@ def ask(group, ranks: list[int], wait: float = 2.0) -> dict[int, list[dict] | No
                 found[rank] = body.get("entries", [])
                 del asked[rank]
         time.sleep(0.02)
+    alive = set(group.alive)
+    rest = [rank for rank, entries in found.items() if entries is None and rank in alive]
+    if rest:
+        for rank, body in group.where(rest, wait, collectives=True, stack=False).items():
+            found[rank] = body.get("collectives", [])
     return found
 
 
@@ -149,7 +154,7 @@ def diagnose(group, ranks: list[int], finished: list[int], wait: float = 2.0) ->
         common = max(kinds, key=lambda k: (len(kinds[k]), -min(kinds[k])))
         group_note = "" if target["group"] == "0" else f" of process group {target['group']}"
         since = min(at[r]["created"] for r in kinds[common])
-        lines.append(f"{_ranks(kinds[common])} wait in {common[0]} #{target['seq']}{group_note} since "
+        lines.append(f"{_ranks(kinds[common])} {'waits' if len(kinds[common]) == 1 else 'wait'} in {common[0]} #{target['seq']}{group_note} since "
                      f"{_since(now - since)}")
         for (name, sizes), who in kinds.items():
             if (name, sizes) == common:

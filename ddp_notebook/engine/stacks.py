@@ -46,12 +46,14 @@ def parse(text: str) -> list[list[Frame]]:
     return threads
 
 
+_MAINS = (os.path.join("rank", "worker.py"), os.path.join("rank", "torchrun.py"))  # an export's rank: torchrun.py
+
+
 def _main_thread(threads: list[list[Frame]]) -> list[Frame] | None:
     """The thread that runs the task: the one whose outermost toolkit frame is the rank's ``main`` (``forked_main``
     in a rank forked from the rank template)."""
     for frames in threads:
-        if any(f.function in ("main", "forked_main") and f.file.endswith(os.path.join("rank", "worker.py"))
-               for f in frames):
+        if any(f.function in ("main", "forked_main") and f.file.endswith(_MAINS) for f in frames):
             return frames
     return threads[0] if threads else None
 
@@ -98,13 +100,12 @@ class RankStacks:
 
 
 def collect(group, ranks: list[int], wait: float = 2.0) -> RankStacks:
-    """Signal the ranks of a backend and read their stacks (up to ``wait`` seconds for the dumps)."""
+    """Signal the ranks of a backend and read their stacks (up to ``wait`` seconds for the dumps); an export's
+    ranks (a Slurm task, a rank of another host) are asked over the channel (``group.where``)."""
     workdir = group.workdir
     frames: dict[int, list[Frame] | None] = {rank: None for rank in ranks}
-    if workdir is None:
-        return RankStacks(frames, {})
     asked = []
-    for rank in ranks:
+    for rank in ranks if workdir is not None else ():
         path = protocol.stacks_path(workdir, rank)
         pid = group.pids.get(rank)
         if pid is None or rank not in group.alive or not os.path.exists(path):
@@ -129,6 +130,12 @@ def collect(group, ranks: list[int], wait: float = 2.0) -> RankStacks:
             if text and text == texts.get(rank):  # written and no longer growing
                 asked.remove(rank)
             texts[rank] = text
+    alive = set(group.alive)
+    rest = [rank for rank in ranks if not texts.get(rank) and rank in alive]
+    if rest:
+        for rank, body in group.where(rest, wait, collectives=False, stack=True).items():
+            if body.get("stack"):
+                texts[rank] = body["stack"]
     for rank, text in texts.items():
         frames[rank] = _main_thread(parse(text))
     return RankStacks(frames, payload.cell_labels())

@@ -1,16 +1,20 @@
 """The collectives a rank has called, read from torch's Flight Recorder on request (``job.why()``).
 
-A rank blocked in a collective is stuck in C++ on its main thread, so the record is read on a thread of its own:
-it waits on a FIFO in the job's directory; each byte the notebook writes there makes it write the Flight
-Recorder's entries (name, sequence number, sizes, completed or not, when made) as JSON beside it.  The Flight
-Recorder keeps entries when ``TORCH_FR_BUFFER_SIZE`` is set as the process group is made (the rank's environment
-sets it: ``engine.backend.rank_environment``).
+A rank blocked in a collective is stuck in C++ on its main thread, so the record is read on a thread of its own.
+A rank of the notebook's host waits on a FIFO in the job's directory; each byte the notebook writes there makes
+it write the Flight Recorder's entries (name, sequence number, sizes, completed or not, when made) as JSON beside
+it.  A rank that runs an export (a Slurm task, a rank of another host) shares no folder with the notebook: the
+thread that reads its channel answers ``WHERE`` with :func:`here` instead.  The Flight Recorder keeps entries when
+``TORCH_FR_BUFFER_SIZE`` is set as the process group is made (the rank's environment sets it:
+``engine.backend.rank_environment``; an export's script sets it before torch loads).
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
+import tempfile
 import threading
 import time
 
@@ -43,6 +47,23 @@ def entries() -> list[dict]:
             "created": (entry.get("time_created_ns") or 0) / 1e9,
         })
     return found[-_KEPT:]
+
+
+def here(request: dict) -> dict:
+    """The answer to the notebook's ``WHERE``: this rank's collectives and every thread's Python stack, as asked
+    (faulthandler's text, which the notebook reads as it reads a dump on SIGUSR1)."""
+    answer: dict = {"time": time.time()}
+    try:
+        if request.get("collectives"):
+            answer["collectives"] = entries()
+        if request.get("stack"):
+            with tempfile.TemporaryFile("w+") as dump:  # (faulthandler writes to a descriptor)
+                faulthandler.dump_traceback(dump, all_threads=True)
+                dump.seek(0)
+                answer["stack"] = dump.read()
+    except Exception as exc:  # noqa: BLE001 - said in the diagnosis instead
+        answer["error"] = f"{type(exc).__name__}: {exc}"
+    return answer
 
 
 def _write(job_dir: str, rank: int) -> None:

@@ -37,7 +37,7 @@ import uuid
 from multiprocessing.connection import wait as wait_ready
 
 from ..wire import channel
-from . import context, debugging
+from . import collectives, context, debugging
 from ..wire import protocol, safe_files, sharing, versions
 from ..wire.protocol import RUN_DIR_ENV, metrics_path
 from . import worker
@@ -109,6 +109,8 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         elif not files_if_unreachable or _notebook_gone(ctx, notebook, here):
             return 1
     log = None
+    if notebook is not None:  # job.why(): the collectives it called (torch reads this as the group is made)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", protocol.FLIGHT_RECORDER_ENTRIES)
     try:
         import torch
 
@@ -282,12 +284,15 @@ def _leave_notebook(sender, finished, unreached: list[int], why: str | None, run
 def _watch_notebook(ctx: context.RankContext, conn, finished: threading.Event, notebook: dict,
                     answers: queue.Queue) -> None:
     """The notebook stops a job by closing its channel: a rank still at work then stops at once.  The answers to
-    the rank's prompts (rank/debugging.py) go to ``answers``."""
+    the rank's prompts (rank/debugging.py) go to ``answers``; ``job.why()`` and ``job.stacks()`` are answered
+    here, on this thread, since the rank's main thread may be blocked in a collective."""
     while True:
         try:
             kind, body = conn.recv()  # (nothing else the notebook says asks for anything here)
             if kind == protocol.ANSWER:
                 answers.put(body)
+            elif kind == protocol.WHERE and ctx.sender is not None:
+                ctx.sender.send_now(protocol.HERE, collectives.here(body))
         except (EOFError, OSError):
             if finished.is_set():
                 return

@@ -21,6 +21,7 @@ EXIT = "exit"  # {}: leave cleanly
 STOP = "stop"  # {task}: stop gracefully at the next batch boundary (the rank reads it there)
 ANSWER = "answer"  # {task, id, text | eof | refused}: the answer to a rank's PROMPT id (refused: why no one can answer it)
 DEBUG = "debug"  # {task}: a rank kept at its failure (RUN's debug) opens the debugger post mortem there
+WHERE = "where"  # {collectives, stack}: job.why()/stacks() asks a rank that runs an export (a Slurm task, a rank of another host), which reads its channel on a thread of its own, for what it can tell; answered with HERE
 
 # A rank to the notebook
 HELLO = "hello"  # {rank, pid[, node, host]}: the first message on a connection
@@ -40,6 +41,7 @@ SAVING = "saving"  # {task, path, blocked_s, written_s, error}: rank 0's checkpo
 PROMPT = "prompt"  # {task, id, prompt, said, debugger, group_timeout}: the rank waits for a line typed in the notebook (input(), pdb); said: what its debugger wrote since its last prompt, shown whatever --output; debugger: its debugger's prompt (the notebook asks this rank alone until SAID); group_timeout: the process group's, in seconds, or None
 SAID = "said"  # {task, text}: the rank's debugger lets it go on; text: what it wrote since its last prompt (shown whatever --output)
 DEBUGGED = "debugged"  # {task}: the debugger opened after a failure (DEBUG) has ended; the rank waits for EXIT
+HERE = "here"  # {time[, collectives][, stack][, error]}: the answer to WHERE: the Flight Recorder's entries (rank/collectives.entries), every thread's Python stack (faulthandler's text)
 
 # What a job adds for its listeners
 STARTED = "started"  # {world_size, port, pids}
@@ -115,6 +117,7 @@ FILE_END = "end"  # {ok}: the node's last record
 FILE_RESULT = "result"  # {rank, file, sha256}: the rank's pickled return value is in that file of the run directory
 RECORD_MAC = "mac"  # a record of a run with a notebook's key (a Slurm job's): HMAC-SHA256 of the rest, by that key
 RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
+FLIGHT_RECORDER_ENTRIES = "2000"  # TORCH_FR_BUFFER_SIZE where the user's environment does not set it (job.why())
 SLURM_RUN_SUFFIX = "_ddp_notebook"  # a Slurm job's run directory: <job folder>/<job id>_ddp_notebook
 
 

@@ -22,7 +22,8 @@ from ddp_notebook.wire import channel
 from ddp_notebook.notebook import following
 from ddp_notebook.wire import protocol
 from nbrun import error, run_cells, text
-from torchrun_tasks import fails_on_node_1, nothing, reports_then_rank_1_fails, sleeps, with_arrays
+from torchrun_tasks import (fails_on_node_1, nothing, one_asleep_before_all_reduce, reports_then_rank_1_fails,
+                            sleeps, with_arrays)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -322,6 +323,39 @@ def test_an_export_runs_alone_from_any_directory_with_its_arrays_mapped(tmp_path
     assert metric["values"] == {"total": float(table.sum()), "corner": float(grid[-1, -1]), "cwd_is_elsewhere": 1.0,
                                 "mapped": 1.0, "world": 1}
     assert lines[-1]["ok"] is True
+
+
+@pytest.mark.timeout(150)
+def test_a_followed_run_that_hangs_is_explained_from_what_its_ranks_wrote(tmp_path, capsys):
+    """No one can ask the ranks of an export that reports through its files: a rank whose collectives stood still
+    writes where it is, and follow() says why the run is stuck from that."""
+    import re
+
+    exported = ddp_notebook.export(one_asleep_before_all_reduce, tmp_path / "out" / "asleep.py")
+    env = dict(os.environ, **{protocol.STILL_AFTER_ENV: "0.5"})
+    with open(tmp_path / "agent.log", "w") as log:
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                  "--master-port", str(_free_port()), exported.script], cwd=tmp_path, stdout=log,
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        told = ""
+        while "rank 1 has not reached it" not in told and time.monotonic() < deadline:
+            run = following.follow(str(tmp_path / "out"), timeout=8, hang_after=2)
+            told += capsys.readouterr().err
+        assert re.search(r"the run made no progress for 2 s \(hang_after\); it goes on\. Why:\n"
+                         r"rank 0 waits in all_reduce #\d+ since 0:00:\d\d\n"
+                         r"rank 1 has not reached it \(its last was #\d+\): it is at one_asleep_before_all_reduce "
+                         r"\(torchrun_tasks.py:\d+\), `time.sleep\(90\)  # ASLEEP`", told), \
+            told + (tmp_path / "agent.log").read_text()
+        again = run.why()  # on demand: the same, from the files
+        assert again.missing == [1] and list(again.waiting) == [0] and again.waiting[0]["name"] == "all_reduce"
+        lines = [json.loads(line) for line in (tmp_path / "out" / "metrics-node0.jsonl").read_text().splitlines()]
+        here = [line for line in lines if line["event"] == protocol.HERE]
+        assert {line["rank"] for line in here} == {0, 1}
+        assert len(here) <= 4, here  # written when where a rank is changes, not every half second
+    finally:
+        _stop([agent])
 
 
 @pytest.mark.timeout(60)

@@ -44,3 +44,15 @@ def reports_then_rank_1_fails():
     report(epoch=1, loss=float(ctx.rank), local=ctx.local_rank)
     if ctx.rank == 1:
         raise ValueError("rank one is broken")
+
+
+def one_asleep_before_all_reduce():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == 1:
+        time.sleep(90)  # ASLEEP
+    dist.all_reduce(torch.ones(1))

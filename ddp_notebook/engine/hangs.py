@@ -128,8 +128,12 @@ def _where(where: stacks.RankStacks, rank: int) -> str:
     return where.where(rank)
 
 
-def diagnose(group, ranks: list[int], finished: list[int], wait: float = 2.0) -> Diagnosis:
-    """Ask the running ranks of ``ranks`` for their collectives and stacks; say why they are stuck."""
+NO_ANSWER = "no Flight Recorder answer; not a ddp_notebook rank of this notebook, or not running"
+
+
+def diagnose(group, ranks: list[int], finished: list[int], wait: float = 2.0, no_answer: str = NO_ANSWER) -> Diagnosis:
+    """Ask the running ranks of ``ranks`` for their collectives and stacks; say why they are stuck (``no_answer``:
+    what is said of a rank that did not answer)."""
     running = [r for r in ranks if r not in finished]
     recorded = ask(group, running, wait)
     where = stacks.collect(group, running, wait)
@@ -180,8 +184,7 @@ def diagnose(group, ranks: list[int], finished: list[int], wait: float = 2.0) ->
         lines.append(f"{_ranks(finished)} finished {'its' if len(finished) == 1 else 'their'} task already")
     unanswered = [r for r in running if recorded.get(r) is None]
     if unanswered:
-        lines.append(f"({_ranks(unanswered)}: no Flight Recorder answer; not a ddp_notebook rank of this "
-                     f"notebook, or not running)")
+        lines.append(f"({_ranks(unanswered)}: {no_answer})")
     return Diagnosis("\n".join(lines), dict(pending), missing, sorted(finished), mismatched, newest,
                      time.strftime("%H:%M:%S"))
 

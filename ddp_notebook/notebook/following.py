@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ..wire import protocol
 from . import dashboard
 from ..wire.errors import Failure, RankError, blame
+from ..engine import hangs
 from ..engine.job import EventSource
 from ..engine.runfiles import RunFiles, UntrustedRunFolder, message_of
 from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX, SLURM_RUN_SUFFIX
@@ -37,10 +38,24 @@ class RunSpec:
     nnodes: int
 
 
+class _Written:
+    """What the ranks of a followed run wrote of where they are, as ``hangs.diagnose`` asks a backend for it."""
+
+    workdir = None  # (no folder of the notebook's: nothing to signal, no FIFO)
+    pids: dict = {}
+
+    def __init__(self, run: "FollowedRun"):
+        self.alive = [r for r in range(run.spec.world_size) if r not in run.exited]
+        self._told = run.told_where
+
+    def where(self, ranks, wait: float, collectives: bool = True, stack: bool = True) -> dict[int, dict]:
+        return {rank: self._told[rank] for rank in ranks if rank in self._told}
+
+
 class FollowedRun(EventSource):
     """A torchrun job seen through its metrics files; what a Job is to the dashboard."""
 
-    def __init__(self, run_dir: str, callbacks: list | tuple = ()):
+    def __init__(self, run_dir: str, callbacks: list | tuple = (), hang_after: float | None = None):
         self.run_dir = run_dir
         self.run_id: str | None = None
         self.spec = RunSpec(0, 0)
@@ -56,6 +71,9 @@ class FollowedRun(EventSource):
         self._files = RunFiles(run_dir)  # the folder opened once, its files read through it
         self._told_problems = 0
         self._last_line_at = time.monotonic()
+        self.exited: set[int] = set()
+        self.told_where: dict[int, dict] = {}  # rank -> the newest HERE it wrote (why())
+        self.hang_watch = hangs.HangWatch(hang_after)
         dashboard.install()  # show() draws with the dashboard, however the notebook side was reached
 
     @property
@@ -111,9 +129,20 @@ class FollowedRun(EventSource):
             if record.get("run") == self.run_id:
                 self._take(record)
                 taken += 1
+                if record.get("event") != protocol.HERE:
+                    self.hang_watch.progress()  # (a rank telling where it is stuck is no progress)
         if taken:
             self._last_line_at = time.monotonic()
         return taken
+
+    def why(self) -> hangs.Diagnosis:
+        """Why the run is stuck, from what its ranks wrote: a rank whose collectives stood still for 10 s
+        (``DDP_NOTEBOOK_STILL_AFTER_S`` in the ranks' environment) writes its collectives and its stack to the
+        run files; the newest of each rank is read as ``job.why()`` reads a rank's answer."""
+        still_after = os.environ.get(protocol.STILL_AFTER_ENV, "10")
+        return hangs.diagnose(_Written(self), list(range(self.spec.world_size)), sorted(self.exited), wait=0,
+                              no_answer=f"no `here` line in the run files yet: a rank writes one once its "
+                                        f"collectives stood still for {still_after} s")
 
     def _take(self, record: dict) -> None:
         event, rank = record.get("event"), record.get("rank", -1)
@@ -125,7 +154,10 @@ class FollowedRun(EventSource):
             self.emit(*message)
         elif event == protocol.FILE_START:
             self.nodes_started.add(record["node"])
+        elif event == protocol.HERE:
+            self.told_where[rank] = record
         elif event == protocol.FILE_EXIT:
+            self.exited.add(rank)
             if record.get("lost") and rank not in self.failures:
                 self.failures[rank] = Failure(rank, "RankDied", f"rank {rank} ended without reporting an error",
                                               "", record["time"], "exit")
@@ -164,7 +196,7 @@ def _run_dir_in(folder: str) -> str:
 
 
 def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, callbacks: list | tuple = (),
-           poll: float = POLL_S) -> FollowedRun:
+           poll: float = POLL_S, hang_after: float | None = hangs.DEFAULT_HANG_AFTER) -> FollowedRun:
     """Show the live dashboard of a job run from an exported script, from its run directory.
 
     Reads the ``metrics-node*.jsonl`` files that the nodes write there (the
@@ -174,10 +206,12 @@ def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, cal
     Slurm job's folder (``%%ddp --executor``, ``--detach``) works too.  With
     ``wait`` it follows the run until every node has ended (or shortly after a
     failure), at most ``timeout`` seconds, or until interrupted; without, it
-    shows what is there now.  ``callbacks`` get each reduced record.
+    shows what is there now.  ``callbacks`` get each reduced record.  A run whose files gain nothing new for
+    ``hang_after`` seconds is said to be stuck, with why (``run.why()``, from what its ranks wrote), once per
+    hang; following goes on.
     """
     run_dir = _run_dir_in(os.path.abspath(os.path.expanduser(os.fspath(run_dir))))
-    run = FollowedRun(run_dir, callbacks)
+    run = FollowedRun(run_dir, callbacks, hang_after)
     started = time.monotonic()
     told_waiting = False
     try:
@@ -189,6 +223,11 @@ def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, cal
                 break
             if timeout is not None and time.monotonic() - started >= timeout:
                 break
+            if run.run_id is not None:
+                found = run.hang_watch.check(run.why)
+                if found is not None:
+                    print(f"ddp_notebook: the run made no progress for {hang_after:g} s (hang_after); it goes "
+                          f"on. Why:\n{found}", file=sys.stderr)
             if run.run_id is None and not told_waiting:
                 print(f"ddp_notebook: waiting for a run to write metrics in {run_dir}", file=sys.stderr)
                 told_waiting = True

@@ -14,9 +14,11 @@ import faulthandler
 import json
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
+import traceback
 
 from ..wire import protocol
 
@@ -64,6 +66,46 @@ def here(request: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - said in the diagnosis instead
         answer["error"] = f"{type(exc).__name__}: {exc}"
     return answer
+
+
+def _main_thread_at() -> list[tuple]:
+    """Where the main thread is (file, line and function of each frame): what changes when the task moves on,
+    unlike the other threads' stacks (the run files' writer, the sender)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f, _ in traceback.walk_stack(frame)] \
+        if frame is not None else []
+
+
+def tell_when_still(send, still_after: float, done: threading.Event) -> threading.Thread:
+    """Where no one can ask (an export that reports through its run files, followed with ``follow()``): each time
+    this rank's collectives have not moved for ``still_after`` seconds, ``send`` its :func:`here` as a ``HERE``
+    event, once for each new state (its collectives or its main thread's place changed since the last one sent);
+    until ``done`` is set."""
+
+    def watch() -> None:
+        seen = told = None
+        while not done.wait(still_after):
+            try:
+                found = entries()
+            except Exception:  # noqa: BLE001 - no Flight Recorder: nothing to tell
+                return
+            state = [(e["group"], e["seq"], e["done"]) for e in found[-4:]]
+            if state != seen:
+                seen = state  # it moves
+                continue
+            where = _main_thread_at()
+            if (found, where) == told:
+                continue
+            told = found, where
+            answer = here({"collectives": True, "stack": True})
+            try:
+                send(protocol.HERE, answer)
+            except Exception:  # noqa: BLE001 - the task has ended and its way to the files with it
+                return
+
+    thread = threading.Thread(target=watch, name="ddp-tell-when-still", daemon=True)
+    thread.start()
+    return thread
 
 
 def _write(job_dir: str, rank: int) -> None:

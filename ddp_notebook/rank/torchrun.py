@@ -45,6 +45,7 @@ from . import worker
 FAILED_WAIT_S = 5.0  # a node whose own rank failed waits this long for its other ranks' last events
 PROGRESS_EVERY_S = 1.0  # progress lines per rank in the metrics file, at most
 SYNC_EVERY_S = 1.0  # the metrics file is fsynced this often (readers on other hosts see it)
+STILL_AFTER_S = 10.0  # reporting through files: collectives still this long, a rank writes where it is
 DEVICE_INDEX_ENV = "DDP_NOTEBOOK_DEVICE_INDEX"  # the rank's GPU among those it sees, when not LOCAL_RANK
 NO_CUDA_FOR_NCCL = ("this job was exported for GPUs (backend nccl) but this host has no CUDA device "
                     "(torch.cuda.is_available() is False): run it on a GPU host, or export it for CPUs "
@@ -109,8 +110,9 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         elif not files_if_unreachable or _notebook_gone(ctx, notebook, here):
             return 1
     log = None
-    if notebook is not None:  # job.why(): the collectives it called (torch reads this as the group is made)
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", protocol.FLIGHT_RECORDER_ENTRIES)
+    # why(): the collectives it called, asked over the channel or written to the run files (torch reads this as
+    # the process group is made)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", protocol.FLIGHT_RECORDER_ENTRIES)
     try:
         import torch
 
@@ -146,8 +148,13 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         debugging.install(None, None)  # reporting through files: a prompt fails saying so
     if sender is not None:
         sender.send(protocol.READY, {})
+    still = threading.Event()
+    if log is not None:  # follow()'s run.why(): no one can ask these ranks, so they write where they are stuck
+        collectives.tell_when_still(log.sender.send, float(os.environ.get(protocol.STILL_AFTER_ENV, STILL_AFTER_S)),
+                                    still)
     failure = worker.run_task(ctx, sender or log.sender, notebook["task"] if notebook else 0,
                               lambda: _load_task(ctx, run, here), run["seed"], {})
+    still.set()
     if failure is not None:
         _tell(ctx, failure, notebook)
     if finished is not None:
@@ -469,6 +476,9 @@ class _Writer:
                     self._line({"event": protocol.FILE_RESULT, "rank": rank,
                                 "file": self._keep(protocol.result_name(rank), body["value"]),
                                 "sha256": hashlib.sha256(body["value"]).hexdigest()})
+                elif kind == protocol.HERE:
+                    self._line({"event": protocol.HERE, "rank": rank,
+                                **{k: body[k] for k in ("collectives", "stack", "error") if k in body}})
                 elif kind == protocol.FAILED:
                     self.failed = True
                     self._line({"event": protocol.FAILED, "rank": rank, **{k: body[k] for k in

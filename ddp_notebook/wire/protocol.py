@@ -114,9 +114,11 @@ METRICS_PREFIX, METRICS_SUFFIX = "metrics-node", ".jsonl"
 FILE_START = "start"  # {world_size, ...}: the first record of a node
 FILE_EXIT = "exit"  # {rank[, lost]}: a rank left (lost: its connection broke)
 FILE_END = "end"  # {ok}: the node's last record
+# (HERE, {rank, collectives, stack[, error]}: a rank whose collectives stood still wrote where it is: follow()'s run.why())
 FILE_RESULT = "result"  # {rank, file, sha256}: the rank's pickled return value is in that file of the run directory
 RECORD_MAC = "mac"  # a record of a run with a notebook's key (a Slurm job's): HMAC-SHA256 of the rest, by that key
 RUN_DIR_ENV = "DDP_NOTEBOOK_RUN_DIR"
+STILL_AFTER_ENV = "DDP_NOTEBOOK_STILL_AFTER_S"  # an export reporting through files: how long a rank's collectives stay still before it writes where it is (a HERE record; default 10 s)
 FLIGHT_RECORDER_ENTRIES = "2000"  # TORCH_FR_BUFFER_SIZE where the user's environment does not set it (job.why())
 SLURM_RUN_SUFFIX = "_ddp_notebook"  # a Slurm job's run directory: <job folder>/<job id>_ddp_notebook
 

@@ -19,9 +19,17 @@
    after a warm-up job) over one long reporting run.  ``--package PATH``
    imports ``ddp_notebook`` from another checkout in the kernel (the code
    before a change, for a side by side).
+5. ``--mlp-blocks``: the loop of part 4 in one job whose blocks of steps take
+   turns, in a shuffled order each round, among three arms: no call, a call
+   of a no-op function with report()'s arguments, and ``report()``.  Adjacent
+   blocks share the machine's state of the moment, so the ratio of a round's
+   reporting block to its plain block resolves a few percent where separate
+   jobs do not; the no-op arm against the plain one is the design's own noise
+   (an A/A comparison), measured in the same rounds.
 
     .venv/bin/python benchmarks/bench_report.py [--ranks 1 2] [--block-s 2] [--pairs 4]
     .venv/bin/python benchmarks/bench_report.py --mlp [--mlp-steps 4000] [--mlp-pairs 3] [--long-steps 100000]
+    .venv/bin/python benchmarks/bench_report.py --mlp-blocks [--block-steps 1000] [--rounds 30]
 
 Prints a Markdown summary; figures of a run are kept in benchmarks/RESULTS_report.md.
 """
@@ -148,6 +156,172 @@ loop_s, kernel_s = time.perf_counter() - started, sum(kernel.cpu_times()[:2]) - 
 if rank == 0:
     print("RESULT", json.dumps({{"loop_s": loop_s, "kernel_cpu_s": kernel_s}}))
 """
+
+# Part 5: the same loop in one job, blocks taking turns among three arms in a shuffled order a round (the
+# same order on every rank: a seeded generator).  Rank 0 measures each block's wall time (DDP keeps the ranks
+# in step) and the kernel's CPU; every rank its own CPU time (all threads: the loop and the sender).
+MLP_BLOCKS = """\
+%%ddp --cpus 2
+import json, random, time, psutil, torch
+import torch.nn.functional as F
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ddp_notebook import report
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+inputs, targets = torch.randn(32, 32), torch.randn(32, 1)
+kernel = psutil.Process({kernel_pid})
+front = psutil.Process(kernel.ppid())  # the front end: here the benchmark's own process (a Jupyter client)
+total = {rounds} * 3 * {block_steps}
+
+def train_step():
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+def nothing(**metrics):
+    pass
+
+calls = {{"plain": None, "noop": nothing, "report": report}}
+for _ in range(200):
+    train_step()
+blocks = {{arm: [] for arm in calls}}
+step = 0
+for round_ in range({rounds}):
+    arms = list(calls)
+    random.Random(round_).shuffle(arms)
+    for arm in arms:
+        call = calls[arm]
+        dist.barrier()
+        front_cpu = sum(front.cpu_times()[:2])
+        kernel_cpu, cpu, started = sum(kernel.cpu_times()[:2]), time.process_time(), time.perf_counter()
+        if call is None:
+            for _ in range({block_steps}):
+                loss = train_step()
+                step += 1
+        else:
+            for _ in range({block_steps}):
+                loss = train_step()
+                step += 1
+                call(step=step, steps=total, loss=loss)
+        blocks[arm].append((time.perf_counter() - started, time.process_time() - cpu,
+                            sum(kernel.cpu_times()[:2]) - kernel_cpu, sum(front.cpu_times()[:2]) - front_cpu))
+with open({out!r} + f"-{{rank}}.json", "w") as handle:  # (a long line printed would reach the notebook trimmed)
+    json.dump(blocks, handle)
+"""
+
+
+def _bootstrap_mean(values: list, draws: int = 10_000) -> tuple:
+    """The mean of ``values`` and its 95% bootstrap interval (a seeded generator: the same figures each time)."""
+    import random
+
+    generator = random.Random(0)
+    means = sorted(statistics.fmean(generator.choices(values, k=len(values))) for _ in range(draws))
+    return statistics.fmean(values), means[int(draws * 0.025)], means[int(draws * 0.975) - 1]
+
+
+def _quantile(values: list, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _bootstrap_quantile_ratio(values: list, baseline: list, q: float, draws: int = 4000) -> tuple:
+    """The ratio of the ``q`` quantiles of two samples and its 95% bootstrap interval (seeded)."""
+    import random
+
+    generator = random.Random(0)
+    ratios = sorted(_quantile(generator.choices(values, k=len(values)), q) /
+                    _quantile(generator.choices(baseline, k=len(baseline)), q) for _ in range(draws))
+    return _quantile(values, q) / _quantile(baseline, q), ratios[int(draws * 0.025)], ratios[int(draws * 0.975) - 1]
+
+
+def mlp_blocks_benchmark(args) -> None:
+    """Part 5: report() against no call and against a no-op call, blocks of one job in shuffled rounds."""
+    from jupyter_client.manager import start_new_kernel
+    from nbrun import run_cell
+
+    path = [args.package or ROOT, os.path.join(ROOT, "tests")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    try:
+        def cell(code: str, timeout: float = 3600) -> str:
+            reply, told = run_cell(kc, code, timeout=timeout)
+            if reply["status"] != "ok":
+                raise SystemExit(told)
+            return told
+
+        cell("%load_ext ddp_notebook")
+        if args.kernel_setup:
+            cell(args.kernel_setup)
+        kernel_pid = int(cell("import os; print(os.getpid())").split()[0])
+        cell(MLP.format(kernel_pid=kernel_pid, steps=500, reporting=True))  # warm-up: imports, matplotlib
+        started = time.time()
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "blocks")
+            cell(MLP_BLOCKS.format(kernel_pid=kernel_pid, rounds=args.rounds, block_steps=args.block_steps,
+                                   out=out))
+            rows = {}
+            for rank in (0, 1):
+                with open(f"{out}-{rank}.json") as handle:
+                    rows[rank] = json.load(handle)
+        took = time.time() - started
+        zero = rows[0]
+        wall = {arm: [b[0] for b in zero[arm]] for arm in zero}
+        print(f"## The MLP loop in one job: {args.rounds} rounds of three {args.block_steps:,}-step blocks "
+              f"(no call, a no-op call, report()), shuffled a round ({took:.0f} s)\n")
+        print(f"block wall time, median: no call {statistics.median(wall['plain']):.3f} s, no-op call "
+              f"{statistics.median(wall['noop']):.3f} s, report() {statistics.median(wall['report']):.3f} s "
+              f"({args.block_steps / statistics.median(wall['plain']):,.0f} steps/s)\n")
+        print("| per round, ratio to the no-call block | mean [95% bootstrap interval] | median | range |")
+        print("|---|---|---|---|")
+        for arm, name in (("noop", "no-op call (the design's noise, A/A)"), ("report", "report() every step")):
+            ratios = [b / a for a, b in zip(wall["plain"], wall[arm])]
+            mean, low, high = _bootstrap_mean(ratios)
+            print(f"| {name} | {mean:.4f} [{low:.4f}, {high:.4f}] | {statistics.median(ratios):.4f} | "
+                  f"{min(ratios):.3f}–{max(ratios):.3f} |")
+        ratios = [b / a for a, b in zip(wall["noop"], wall["report"])]
+        mean, low, high = _bootstrap_mean(ratios)
+        print(f"| report() against the no-op call | {mean:.4f} [{low:.4f}, {high:.4f}] | "
+              f"{statistics.median(ratios):.4f} | {min(ratios):.3f}–{max(ratios):.3f} |")
+        print("\nEach block's time is the loop's own plus what other processes took from it, which only adds: the "
+              "lower quantiles of an arm's blocks are the least disturbed ones. Ratio to the no-call blocks' (95% "
+              "bootstrap interval, blocks resampled within each arm):\n")
+        print("| quantile of the blocks' times | no-op call (A/A) | report() every step |")
+        print("|---|---|---|")
+        for q in (0.1, 0.25, 0.5):
+            cells = []
+            for arm in ("noop", "report"):
+                ratio, low, high = _bootstrap_quantile_ratio(wall[arm], wall["plain"], q)
+                cells.append(f"{ratio:.4f} [{low:.4f}, {high:.4f}]")
+            print(f"| {q:.2f} | {' | '.join(cells)} |")
+        if args.raw:
+            with open(args.raw, "w") as handle:
+                json.dump({"block_steps": args.block_steps, "rounds": args.rounds, "blocks": rows}, handle)
+            print(f"\n(every block's wall time and CPU: {args.raw})")
+        total = {arm: sum(wall[arm]) for arm in wall}
+        print(f"\nsummed over the rounds: report() {total['report'] / total['plain']:.4f}, no-op "
+              f"{total['noop'] / total['plain']:.4f} of the no-call blocks' time")
+        for rank in sorted(rows):
+            cpu = {arm: sum(b[1] for b in rows[rank][arm]) for arm in rows[rank]}
+            print(f"- rank {rank}'s CPU (all its threads): report() {cpu['report'] / cpu['plain']:.4f}, no-op "
+                  f"{cpu['noop'] / cpu['plain']:.4f} of the no-call blocks'")
+        kernel = {arm: sum(b[2] for b in zero[arm]) / sum(wall[arm]) for arm in zero}
+        print(f"- kernel CPU during the blocks, % of a core: report() {kernel['report'] * 100:.2f}%, no-op "
+              f"{kernel['noop'] * 100:.2f}%, no call {kernel['plain'] * 100:.2f}%")
+        front = {arm: sum(b[3] for b in zero[arm]) / sum(wall[arm]) for arm in zero}
+        print(f"- the front end's CPU (this benchmark's Jupyter client, which receives the cell's output), % of a "
+              f"core: report() {front['report'] * 100:.2f}%, no-op {front['noop'] * 100:.2f}%, no call "
+              f"{front['plain'] * 100:.2f}%")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
 
 KERNEL_FACTS = """\
 import gc, json, ddp_notebook
@@ -345,12 +519,21 @@ def main() -> None:
     parser.add_argument("--mlp", action="store_true", help="part 4 alone: the MLP loop in a kernel, and memory")
     parser.add_argument("--mlp-steps", type=int, default=4000)
     parser.add_argument("--mlp-pairs", type=int, default=3)
+    parser.add_argument("--mlp-blocks", action="store_true", help="part 5 alone: report() against no call and "
+                        "a no-op call, blocks of one job in shuffled rounds")
+    parser.add_argument("--block-steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--raw", help="part 5: write every block's figures to this JSON file")
     parser.add_argument("--long-steps", type=int, default=100_000, help="0: no long run")
     parser.add_argument("--kernel-setup", help="code run in the kernel after the extension loads (part 4): "
                         "settings to compare, e.g. 'from ddp_notebook.notebook import dashboard; "
                         "dashboard.DRAW_SHARE = 0'")
     parser.add_argument("--package", help="import ddp_notebook from this checkout in the kernel (part 4)")
     args = parser.parse_args()
+    if args.mlp_blocks:
+        print(f"machine: {machine()}\n")
+        mlp_blocks_benchmark(args)
+        return
     if args.mlp:
         print(f"machine: {machine()}\n")
         mlp_benchmark(args)

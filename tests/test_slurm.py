@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 import slurm_support
+from ddp_notebook.wire import protocol
 from nbrun import gone, kernel
 
 pytestmark = [pytest.mark.slow]
@@ -246,6 +247,17 @@ def test_unreachable_notebook_the_ranks_report_through_files(slurm, tmp_path):
         assert "--- traceback of rank 1 ---" in out and 'raise ValueError("broken on purpose")' in out
         assert number is not None and f'File "Cell In[{number.group(1)}]", line 5, in <module>' in out
         assert _leaves_queue(failed_job, 15)
+
+        # No one can ask these ranks: one whose collectives stand still writes where it is, and the cell reads it.
+        _run(kc, f"os.environ[{protocol.STILL_AFTER_ENV!r}] = '0.5'")
+        out, _ = _run(kc, ASLEEP.format(seconds=20).replace("--hang-after 2", "--hang-after 4"))
+        asleep_job = _job_id(out)
+        assert "reports through files in" in out
+        assert re.search(r"made no progress for 4 s \(--hang-after\); it goes on\. Why:\n"
+                         r"rank 0 waits in all_reduce #\d+ since 0:00:\d\d\n"
+                         r"rank 1 has not reached it \(its last was #\d+\): it is at cell line 5, "
+                         r"`time.sleep\(20\)  # ASLEEP`", out), out
+        assert _leaves_queue(asleep_job, 15)
     assert _no_staging(tmp_path) == []
 
 

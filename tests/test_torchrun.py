@@ -358,6 +358,42 @@ def test_a_followed_run_that_hangs_is_explained_from_what_its_ranks_wrote(tmp_pa
         _stop([agent])
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.slow
+def test_a_hang_across_hosts_is_explained_by_asking_each_rank_over_the_channel(tmp_path, no_leftovers, capfd):
+    """The ranks of a job on several hosts share no folder with the notebook: why() and stacks() ask them over
+    the channel, node 1's rank too."""
+    import re
+
+    script = tmp_path / "job.py"
+    port = _free_port()
+    log = open(tmp_path / "node1.log", "w+")
+    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
+                    "--master-port", port, script], tmp_path, log)
+    try:
+        job = ddp_notebook.launch(one_asleep_before_all_reduce, cpus=1, nnodes=2, master_addr="127.0.0.1", port=port,
+                                  export=str(script), background=True, hang_after=3)
+        told, deadline = "", time.monotonic() + 90
+        while "rank 1 has not reached it" not in told and time.monotonic() < deadline and not job.done:
+            time.sleep(0.2)
+            told += capfd.readouterr().err
+        assert re.search(r"made no progress for 3 s \(--hang-after\); it goes on\. Why:\n"
+                         r"rank 0 waits in all_reduce #\d+ since 0:00:\d\d\n"
+                         r"rank 1 has not reached it \(its last was #\d+\): it is at one_asleep_before_all_reduce "
+                         r"\(torchrun_tasks.py:\d+\), `time.sleep\(90\)  # ASLEEP`", told), told
+        found = job.why()  # on demand, from another thread than the job's
+        assert found.missing == [1] and list(found.waiting) == [0], found
+        where = job.stacks()
+        assert "one_asleep_before_all_reduce (torchrun_tasks.py:" in where.where(1), where
+        assert where.where(0).startswith("all_reduce"), where
+        job.stop(timeout=30)
+        assert job.status == "stopped"
+    finally:
+        _stop([node1])
+        log.close()
+    assert _running(str(script)) == []
+
+
 @pytest.mark.timeout(60)
 def test_an_nccl_export_on_a_host_without_cuda_says_so(tmp_path):
     import torch

@@ -52,9 +52,8 @@ def ask(group, ranks: list[int], wait: float = 2.0) -> dict[int, list[dict] | No
                 found[rank] = body.get("entries", [])
                 del asked[rank]
         time.sleep(0.02)
-    alive = set(group.alive)
-    rest = [rank for rank, entries in found.items() if entries is None and rank in alive]
-    if rest:
+    rest = [rank for rank, entries in found.items() if entries is None]  # (where() knows which it can ask: the
+    if rest:  # ranks of other hosts are in no alive list here)
         for rank, body in group.where(rest, wait, collectives=True, stack=False).items():
             found[rank] = body.get("collectives", [])
     return found

@@ -190,6 +190,7 @@ class SlurmRanks(ChannelRanks):
         self.address: tuple[str, int] | None = None
         self._files: RunFiles | None = None
         self._told_problems = 0
+        self._written_where: dict[int, dict] = {}  # rank -> its newest HERE in the run files (the files mode)
         self._logs: dict[tuple[int, str], _LogTail] = {}
         self._next_queue_poll = 0.0
         self._next_log_poll = 0.0
@@ -319,12 +320,22 @@ class SlurmRanks(ChannelRanks):
                 value = self._files.result(record)
                 if value is not None:
                     self._on_message(rank, protocol.RESULT, {"task": self.task_id, "value": value})
+            elif event == protocol.HERE:
+                self._written_where[rank] = record
             elif event == protocol.FILE_EXIT and rank not in self.exited:
                 self.exited[rank] = None if record.get("lost") else 0
                 self._on_exit(rank, self.exited[rank])
         for problem in self._files.problems[self._told_problems:]:
             print(f"ddp_notebook: Slurm job {self.job_id}: {problem}", file=sys.stderr)
         self._told_problems = len(self._files.problems)
+
+    def where(self, ranks, wait: float, collectives: bool = True, stack: bool = True) -> dict[int, dict]:
+        """Over the channel; in the files mode, what each rank wrote there last once its collectives stood still
+        (``rank/collectives.tell_when_still``): no one can ask those ranks."""
+        if self.mode != "files":
+            return super().where(ranks, wait, collectives, stack)
+        self._read_files()
+        return {rank: self._written_where[rank] for rank in ranks if rank in self._written_where}
 
     def check_exits(self) -> None:
         """Ranks on the channel end with their connection (unless they went over to the files)."""

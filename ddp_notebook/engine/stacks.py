@@ -130,8 +130,7 @@ def collect(group, ranks: list[int], wait: float = 2.0) -> RankStacks:
             if text and text == texts.get(rank):  # written and no longer growing
                 asked.remove(rank)
             texts[rank] = text
-    alive = set(group.alive)
-    rest = [rank for rank in ranks if not texts.get(rank) and rank in alive]
+    rest = [rank for rank in ranks if not texts.get(rank)]  # (where() knows which it can ask)
     if rest:
         for rank, body in group.where(rest, wait, collectives=False, stack=True).items():
             if body.get("stack"):

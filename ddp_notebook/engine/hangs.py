@@ -157,7 +157,8 @@ def diagnose(group, ranks: list[int], finished: list[int], wait: float = 2.0, no
         common = max(kinds, key=lambda k: (len(kinds[k]), -min(kinds[k])))
         group_note = "" if target["group"] == "0" else f" of process group {target['group']}"
         since = min(at[r]["created"] for r in kinds[common])
-        lines.append(f"{_ranks(kinds[common])} {'waits' if len(kinds[common]) == 1 else 'wait'} in {common[0]} #{target['seq']}{group_note} since "
+        verb = "waits" if len(kinds[common]) == 1 else "wait"
+        lines.append(f"{_ranks(kinds[common])} {verb} in {common[0]} #{target['seq']}{group_note} since "
                      f"{_since(now - since)}")
         for (name, sizes), who in kinds.items():
             if (name, sizes) == common:

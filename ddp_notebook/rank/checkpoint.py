@@ -34,7 +34,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from . import background_saves, context, sharded
+from . import background_saves, context, rendezvous
 from .background_saves import BackgroundSaveError, StagingMemoryError  # noqa: F401 - ddp_notebook's names
 from .data import rank_and_world_size
 from ..wire import protocol, safe_files
@@ -341,14 +341,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
 
 
-def _store():
-    ctx = context.current()
-    store = ctx.extra.get("store") if ctx is not None else None
-    if store is None:  # under torchrun: the process group's own store
-        store = dist.distributed_c10d._get_default_store()
-    return store
-
-
 def _arrival_timeout() -> float:
     return float(os.environ.get(ARRIVAL_TIMEOUT_ENV) or ARRIVAL_TIMEOUT_S)
 
@@ -370,27 +362,18 @@ def _meet_every_rank(call: str, path: str) -> _Meeting:
     key = f"ddp_notebook/checkpoint/{call}/{path}/{count}"
     if world_size == 1:
         return _Meeting(key, _new_save_name())
-    store = _store()
-    if rank == 0:
-        store.set(f"{key}/name", _new_save_name())
-    store.set(f"{key}/rank{rank}", "")
-    if store.add(f"{key}/arrived", 1) == world_size:
-        store.set(f"{key}/all", "")
-    else:
-        timeout = _arrival_timeout()
-        if not sharded.waited(store, [f"{key}/all"], timeout):
-            absent = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
-            # Only an arrival can bring the count to world_size, and that arrival opens the meeting: if it was
-            # not there before this rank leaves, it never will be.
-            if store.add(f"{key}/arrived", -1) != world_size - 1:
-                _meetings[(call, path)] -= 1  # so that the next call of every rank meets under one key again
-                late = _ranks_text(absent) if absent else "not every rank"
-                raise RuntimeError(
-                    f"{call}({path!r}) of a sharded model is done by every rank at once, and {late} did not call "
-                    f"it within {timeout:g} s of rank {rank}: call it on every rank, not under `if rank == 0:` "
-                    f"(a rank may lag {ARRIVAL_TIMEOUT_ENV} seconds). Refused before anything was written or "
-                    f"read.") from None
-    return _Meeting(key, store.get(f"{key}/name").decode())
+    timeout = _arrival_timeout()
+    try:
+        names = rendezvous.meet(key, rank, world_size, timeout, value=_new_save_name() if rank == 0 else "")
+    except rendezvous.Absent as absent:
+        _meetings[(call, path)] -= 1  # so that the next call of every rank meets under one key again
+        late = rendezvous.ranks_text(absent.ranks) if absent.ranks else "not every rank"
+        raise RuntimeError(
+            f"{call}({path!r}) of a sharded model is done by every rank at once, and {late} did not call "
+            f"it within {timeout:g} s of rank {rank}: call it on every rank, not under `if rank == 0:` "
+            f"(a rank may lag {ARRIVAL_TIMEOUT_ENV} seconds). Refused before anything was written or "
+            f"read.") from None
+    return _Meeting(key, names[0])
 
 
 def _new_save_name() -> str:
@@ -505,7 +488,7 @@ def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any, gr
     dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=group)
     if not anyone.item():
         return
-    store = _store()
+    store = rendezvous.job_store()
     store.set(f"{meeting.key}/staging/rank{rank}", refusal)
     keys = [f"{meeting.key}/staging/rank{r}" for r in range(world_size)]
     store.wait(keys, dist.constants.default_pg_timeout)
@@ -513,8 +496,8 @@ def _every_rank_can_stage(meeting: _Meeting, key: Any, path: str, state: Any, gr
     refused = {r: text for r, text in refused.items() if text}
     if refused:
         first = min(refused)
-        raise StagingMemoryError(f"{_ranks_text(sorted(refused)).capitalize()} cannot stage a copy of its part of "
-                                 f"the checkpoint, so no rank saves it: rank {first}: {refused[first]}")
+        raise StagingMemoryError(f"{rendezvous.ranks_text(sorted(refused)).capitalize()} cannot stage a copy of "
+                                 f"its part of the checkpoint, so no rank saves it: rank {first}: {refused[first]}")
 
 
 def _gloo_group_for_background_saves() -> Any:
@@ -533,7 +516,7 @@ def _commit(path: str, meeting: _Meeting, file_mode: int) -> None:
     rank, world_size = rank_and_world_size()
     done = f"{meeting.key}/done"
     if rank != 0:
-        store = _store()
+        store = rendezvous.job_store()
         store.wait([done], dist.constants.default_pg_timeout)
         problem = store.get(done).decode()
         if problem:
@@ -554,7 +537,7 @@ def _commit(path: str, meeting: _Meeting, file_mode: int) -> None:
         raise
     finally:
         if world_size > 1:
-            _store().set(done, problem)
+            rendezvous.job_store().set(done, problem)
 
 
 def _set_file_modes(folder: str, file_mode: int) -> None:
@@ -1018,9 +1001,6 @@ def _in_a_job() -> bool:
     return dist.is_available() and dist.is_initialized() or context.current() is not None
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
 
 def _keep_their_state(ranks: Sequence[int]) -> str:
     return "it keeps its current random state" if len(ranks) == 1 else "they keep their current random state"
@@ -1040,11 +1020,11 @@ def _resume_notice(path: str, saved_world_size: int | None, world_size: int, mis
             f"{saved_world_size} times), and with it each rank's share of every epoch's data and the order it sees "
             f"it in, so the run will not repeat the one that saved it.")
     if new:
-        notice.append(f"{_ranks_text(new).capitalize()} had no saved RNG state: {_keep_their_state(new)}.")
+        notice.append(f"{rendezvous.ranks_text(new).capitalize()} had no saved RNG state: {_keep_their_state(new)}.")
     if lost:
         notice.append(
-            f"No RNG state for {_ranks_text(lost)} (the file {_rng_file(path, lost[0], folder)} is missing or from another "
-            f"save): {_keep_their_state(lost)}, so random draws (dropout, augmentation) will differ from the "
+            f"No RNG state for {rendezvous.ranks_text(lost)} (the file {_rng_file(path, lost[0], folder)} is "
+            f"missing or from another save): {_keep_their_state(lost)}, so random draws (dropout, augmentation) will differ from the "
             f"uninterrupted run{'.' if resized else '; the data order does not depend on it.'}")
     return " ".join(notice) or None
 

@@ -4,7 +4,7 @@ tensor parallel modules (DTensor parameters from ``parallelize_module``), their 
 A rank holds only its shards, so what a task returns cannot simply be pickled: at the task's end every rank walks its
 own return value the same way (:func:`sharded_in`).  A rank that finds nothing sharded does nothing more: no
 collective, no store operation (the rank template imports FSDP and DTensors, so most tasks end this way).  The ranks
-that find something meet in the job's TCPStore, not in the process group, and agree that every rank found the same
+that find something meet in the job's store (:mod:`.rendezvous`), not in the process group, and agree that every rank found the same
 things in the same order (a rank that found nothing never arrives: the others refuse after
 ``DDP_NOTEBOOK_SHARDED_ARRIVAL_S`` seconds, where a collective would hang); then each DTensor is gathered one at a
 time (``full_tensor()``, an all-gather every rank joins).  Rank 0 keeps a plain CPU copy of each; the other ranks drop
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
 import json
 import os
 import sys
 import types
 import warnings
 from typing import Any, Callable, Iterator
+
+from . import rendezvous
 
 # What FSDP2 adds to a module's __dict__ (its state is found under a key made of this prefix and a uuid).
 _FSDP_ATTRIBUTE_PREFIXES = ("__composable_api_state_key", "_fsdp_use_orig_params", "_is_fsdp_managed_module")
@@ -224,33 +225,6 @@ def _arrival_timeout() -> float:
     return float(os.environ.get(ARRIVAL_TIMEOUT_ENV) or ARRIVAL_TIMEOUT_S)
 
 
-def _store() -> Any:
-    """The job's TCPStore (a notebook's ranks), else the process group's own (under torchrun)."""
-    from . import context
-
-    ctx = context.current()
-    store = ctx.extra.get("store") if ctx is not None else None
-    if store is None:
-        import torch.distributed as dist
-
-        store = dist.distributed_c10d._get_default_store()
-    return store
-
-
-def waited(store: Any, keys: list[str], timeout_s: float) -> bool:
-    """Wait at most ``timeout_s`` for ``keys`` in ``store``; False when they did not come.  A TCPStore says so with
-    DistStoreError, a FileStore (a single-host job's) with a bare RuntimeError('Wait timeout')."""
-    import torch.distributed as dist
-
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        if isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower():
-            return False
-        raise
-    return True
-
-
 def _meeting_key() -> str:
     """This task's and attempt's meeting, the same on every rank (a warm pool's task ids are unique)."""
     from . import context
@@ -264,40 +238,19 @@ def _agree(mine: list, rank: int, world_size: int) -> None:
     """Meet every other rank in the store and check that each returns the sharded values ``mine`` describes; raise
     :class:`ShardedResultError` where one returns others, or none within the arrival timeout (a rank that returns
     none never comes: it does nothing at a task's end).  Nothing of the process group is used, so nothing hangs."""
-    store = _store()
-    key = _meeting_key()
     mine = json.loads(json.dumps(mine))  # as every rank reads it back (tuples become lists)
-    own, arrived, everyone, read = f"{key}/rank{rank}", f"{key}/arrived", f"{key}/all", f"{key}/read"
-    store.set(own, json.dumps(mine))
-    if store.add(arrived, 1) == world_size:
-        store.set(everyone, "")
-    else:
-        timeout = _arrival_timeout()
-        if not waited(store, [everyone], timeout):
-            absent = [other for other in range(world_size) if not store.check([f"{key}/rank{other}"])]
-            # Only an arrival brings the count to world_size, and that arrival opens the meeting: once this rank has
-            # left, no later one can (it refuses in its turn).
-            left = store.add(arrived, -1)
-            if left != world_size - 1:
-                store.delete_key(own)
-                if left == 0:
-                    store.delete_key(arrived)
-                late = _ranks_text(absent) if absent else "not every other rank"
-                raise ShardedResultError(
-                    f"the ranks return different sharded values, which cannot be gathered: rank {rank} returns "
-                    f"{mine[0][0]}, and {late} returned no sharded value within {timeout:g} s (a rank may lag "
-                    f"{ARRIVAL_TIMEOUT_ENV} seconds); return the same sharded values on every rank") from None
-    every = [json.loads(store.get(f"{key}/rank{other}")) for other in range(world_size)]
-    if store.add(read, 1) == world_size:  # the last to read clears the meeting
-        for name in (*(f"{key}/rank{other}" for other in range(world_size)), arrived, everyone, read):
-            store.delete_key(name)
+    timeout = _arrival_timeout()
+    try:
+        every = [json.loads(v) for v in rendezvous.meet(_meeting_key(), rank, world_size, timeout, json.dumps(mine))]
+    except rendezvous.Absent as absent:
+        late = rendezvous.ranks_text(absent.ranks) if absent.ranks else "not every other rank"
+        raise ShardedResultError(
+            f"the ranks return different sharded values, which cannot be gathered: rank {rank} returns "
+            f"{mine[0][0]}, and {late} returned no sharded value within {timeout:g} s (a rank may lag "
+            f"{ARRIVAL_TIMEOUT_ENV} seconds); return the same sharded values on every rank") from None
     for other, theirs in enumerate(every):
         if theirs != mine:
             raise ShardedResultError(_difference(mine, theirs, rank, other))
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def _difference(mine: list, theirs: list, rank: int, other: int) -> str:

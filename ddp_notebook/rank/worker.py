@@ -22,8 +22,8 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import (background_saves, collectives, context, debugging, display, metrics, profiling, replicas, sharded,
-               stopping, streams, timing)
+from . import (background_saves, collectives, context, debugging, display, metrics, profiling, rendezvous, replicas,
+               sharded, stopping, streams, timing)
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -209,18 +209,15 @@ def _sync(ctx, sender, body: dict, namespace: dict) -> None:
     hang it), check that the process group itself is in step (:func:`_check_group`), then that the DDP replicas
     are (``replicas.reconcile``: made rank 0's where they differ)."""
     store = ctx.extra.get("store")
-    key = f"ddp_notebook/sync/{body['task']}"
     timeout = body.get("timeout", 5.0)
     stage = "store"
     try:
         if store is None:
             raise RuntimeError("no store to meet at")
-        store.add(key, 1)
-        deadline = time.monotonic() + timeout
-        while store.add(key, 0) < ctx.world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError("not every rank came back")
-            time.sleep(0.005)
+        try:
+            rendezvous.meet(f"ddp_notebook/sync/{body['task']}", ctx.rank, ctx.world_size, timeout, store=store)
+        except rendezvous.Absent as absent:
+            raise TimeoutError(f"not every rank came back: {absent}") from None
         stage = "group"
         sender.send_now(protocol.SYNCED, {"task": body["task"], "stage": "store"})
         _check_group(ctx, body["task"], body.get("check_timeout", timeout))

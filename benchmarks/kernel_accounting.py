@@ -17,6 +17,7 @@ import psutil
 
 from ddp_notebook.engine import backend
 from ddp_notebook.engine import job as engine_job
+from ddp_notebook.engine import metrics
 from ddp_notebook.notebook import dashboard
 
 _spent: dict[str, float] = {}
@@ -42,15 +43,16 @@ def _account(cls, name: str, label: str) -> None:
 
 _account(engine_job.Job, "_pump", "main thread: the job's pump (receiving, dispatching, all below)")
 _account(backend.ChannelRanks, "read_connection", "main thread: read a rank's messages and dispatch them")
-_account(dashboard.Watcher, "_on_event", "main thread: the dashboard's listener (reduce, curves, forward)")
+_account(metrics.Metrics, "_reports", "main thread: the job's metrics (reduce, forward, curves)")
+_account(dashboard.Watcher, "metrics_updated", "main thread: the dashboard's curves")
 _account(dashboard.Reducer, "add_many", "main thread: Reducer.add_many")
 _account(dashboard.DisplayView, "refresh", "drawing thread: status and figure")
 _account(dashboard.Plot, "render", "drawing thread: Plot.render (the figure, its PNG)")
-_ended = dashboard.Watcher._ended
+_ended = metrics.Metrics._ended
 
 
-def _ended_and_written(self, body):
-    result = _ended(self, body)
+def _ended_and_written(self):
+    result = _ended(self)
     line = {"process_cpu_s": sum(_process.cpu_times()[:2]) - _cpu_at_setup,
             **{label: [round(seconds, 4), _calls[label]] for label, seconds in _spent.items()}}
     with open(os.environ.get("DDP_NOTEBOOK_KERNEL_ACCOUNTING", "kernel_accounting.jsonl"), "a") as out:
@@ -58,4 +60,4 @@ def _ended_and_written(self, body):
     return result
 
 
-dashboard.Watcher._ended = _ended_and_written
+metrics.Metrics._ended = _ended_and_written

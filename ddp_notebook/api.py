@@ -13,7 +13,7 @@ from .engine import multinode, pool, profiling, slurm
 from .engine import template as rank_template
 from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
-from .engine.job import Job, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
+from .engine.job import Job, JobOptions, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay, RankLogs
 from .engine.spec import JobSpec, check_options, resolve_devices
 from .notebook import profile_view, prompting
@@ -78,13 +78,11 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
     if detach:
         return submit_detached(spec, task)
-    job = prepare_job(spec, task, callbacks, on_pool=warm is not None, background=background,
-                      max_restarts=max_restarts, log_dir=log_dir)
-    if not background:
-        job.prompter = prompting.ask_in_notebook  # input() and pdb in a rank ask here
-    job.keep_failed_rank = debug
-    profiling.attach(job, profile, log_dir)
-    job.hang_after = hang_after or None
+    options = JobOptions(max_restarts=max_restarts, hang_after=hang_after or None, keep_failed_rank=debug,
+                         callbacks=tuple(callbacks), profile=profile, profile_folder=log_dir,
+                         # input() and pdb in a rank ask here, in the foreground
+                         prompter=None if background else prompting.ask_in_notebook)
+    job = prepare_job(spec, task, options, on_pool=warm is not None, background=background, log_dir=log_dir)
     start_job(job, background=background)
     if background:
         return job.run_in_background()
@@ -169,10 +167,11 @@ class SpawnContext:
         return self.job.result()
 
 
-def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_pool: bool = True,
+def prepare_job(spec: JobSpec, task: Any, options: JobOptions = JobOptions(), *, on_pool: bool = True,
                 relay: OutputRelay | None = None, targets: list[int] | None = None, background: bool = False,
-                max_restarts: int = 0, log_dir: str | None = None) -> Job:
-    """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.
+                log_dir: str | None = None) -> Job:
+    """A job for the task, not started yet: on the warm pool when there is one and ``on_pool`` allows.  The one
+    place a job is made for the front doors (``%%ddp``, :func:`launch`, :func:`spawn`).
 
     ``background``: the notebook goes on working while the job runs, so the ranks get a snapshot of its big
     arrays (copied) rather than the notebook's own pages (moved, which only a waiting notebook allows).
@@ -186,11 +185,11 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
         # several hosts, or a Slurm job: exported when the job starts
         data = task if spec.nnodes > 1 or spec.executor is not None else payload.dumps(task, snapshot=background)
         if warm is not None:
-            job = warm.job(data, spec, targets, relay, max_restarts=max_restarts)
+            job = warm.job(data, spec, options, targets, relay)
         else:  # fresh ranks: of this host, of this host as node 0 of several hosts, or of a Slurm job
             backend = slurm.SlurmRanks if spec.executor is not None else \
                 multinode.TorchrunNode if spec.nnodes > 1 else LocalRanks
-            job = Job(spec, data, relay=relay, backend=backend, max_restarts=max_restarts)
+            job = Job(spec, data, options, relay=relay, backend=backend)
     except BaseException:
         if data is not None:
             payload.release(data)
@@ -198,7 +197,6 @@ def prepare_job(spec: JobSpec, task: Any, callbacks: list | tuple = (), *, on_po
         if logs is not None:
             logs.close()
         raise
-    job.callbacks = list(callbacks)
     job.relay.logs = logs
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
@@ -222,7 +220,8 @@ def start_job(job: Job, background: bool = False) -> Job:
 
 def run_job(spec: JobSpec, task: Any, callbacks: list | tuple = ()) -> list[Any]:
     """Run the task as a fresh job and wait for its per-rank values."""
-    return foreground_result(start_job(prepare_job(spec, task, callbacks, on_pool=False)))
+    return foreground_result(start_job(prepare_job(spec, task, JobOptions(callbacks=tuple(callbacks)),
+                                                   on_pool=False)))
 
 
 def foreground_result(job: Job) -> list[Any]:

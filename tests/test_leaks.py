@@ -17,7 +17,7 @@ import ddp_notebook
 from ddp_notebook import RankError
 from ddp_notebook.wire import channel
 from ddp_notebook.notebook import dashboard
-from ddp_notebook.engine.history import History
+from ddp_notebook.engine.metrics import Metrics
 from sockets import listeners, new_listeners
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,12 +88,12 @@ def test_a_view_added_after_the_job_ended_is_finished_at_once_and_finished_views
             self.finished = True
 
     job = Job()
-    job.history = History()
+    job.metrics = Metrics(2)
     watcher = dashboard.Watcher(job)
     early, late = View(), View()
     watcher.add_view(early)
     assert watcher.views == [early]
-    watcher(job, "ended", -1, {"ok": True})
+    job.metrics(job, "ended", -1, {"ok": True})  # (the job's metrics tell its watcher)
     watcher.add_view(late)
     assert early.finished and late.finished and watcher.views == []
 

@@ -1,6 +1,8 @@
 """report()/progress() on the rank side, and the notebook side (watcher, text view, callbacks, figure)
-driven with events, without processes."""
+driven with events, without processes (but one: a job of the engine alone keeps its metrics)."""
 import io
+import json
+import os
 import pickle
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from ddp_notebook.notebook import dashboard
 from ddp_notebook.rank import metrics, timing
 from ddp_notebook.engine import history
 from ddp_notebook.engine.callbacks import Forwarder, TensorBoard, WandB, resolve
+from ddp_notebook.engine.metrics import Metrics
 from ddp_notebook.engine.spec import JobSpec
 from ddp_notebook.wire import protocol
 
@@ -109,14 +112,17 @@ class FakeJob:
         self.spec = JobSpec(world_size=world_size)
         self.started_at = time.time()
         self.ended_at = None
-        self.listeners = []
-        self.history = []
-        self.callbacks = list(callbacks)
+        self.metrics = Metrics(world_size, callbacks)  # (as a Job makes its own)
+        self.listeners = [self.metrics]
         self.done = False
         self.status = "running"
 
     def add_listener(self, listener):
         self.listeners.append(listener)
+
+    @property
+    def history(self):
+        return self.metrics.history
 
     def emit(self, kind, rank, body):
         for listener in self.listeners:
@@ -148,7 +154,7 @@ def test_text_view_prints_one_line_per_epoch_and_forwards(capsys):
     assert "ETA" in lines[0] and "ETA" not in lines[-1]
     assert got == [{"epoch": e, "loss": 1.5} for e in (1, 2, 3)]
     assert job.history == [{"epoch": e, "epochs": 3, "loss": 1.5} for e in (1, 2, 3)]
-    watcher = job.listeners[0]
+    watcher = job.listeners[-1]
     assert watcher.status.line(watcher.reducer, time.time()).startswith("done · 2 ranks · epoch 3/3 · ")
 
 
@@ -160,7 +166,7 @@ def test_a_job_that_reports_nothing_shows_nothing(capsys):
         job.emit("exited", rank, {"code": 0})
     job.end()
     assert capsys.readouterr().out == ""
-    assert job.listeners[0].views == []
+    assert job.listeners[-1].views == []
 
 
 def test_failing_callback_is_dropped_with_one_warning_and_training_goes_on(capsys):
@@ -256,7 +262,7 @@ def test_status_line_and_eta():
 def test_a_restart_is_marked_in_the_status_line_and_on_the_curves_and_replayed_epochs_replace_the_old(capsys):
     job = FakeJob(2)
     dashboard.watch(job)
-    watcher = job.listeners[0]
+    watcher = job.listeners[-1]
     for epoch in (0, 1, 2):
         for rank in (0, 1):
             job.emit("metric", rank, report_body(epoch, loss=10.0 + epoch))
@@ -287,7 +293,7 @@ def test_a_restart_is_marked_in_the_status_line_and_on_the_curves_and_replayed_e
 def test_during_a_graceful_stop_the_status_counts_ranks_that_returned_as_alive():
     job = FakeJob(2)
     dashboard.watch(job)
-    watcher = job.listeners[0]
+    watcher = job.listeners[-1]
     for rank in (0, 1):
         job.emit("ready", rank, {})
     job.emit("metric", 0, report_body(1, loss=1.0))
@@ -309,9 +315,8 @@ def test_rank_0_alone_reporting_is_drawn_live_and_labelled(monkeypatch):
     monkeypatch.setattr(history, "SETTLE_S", 0.3)
     got = []
     job = FakeJob(2, callbacks=[got.append])
-    job.history = None
     dashboard.watch(job)
-    watcher = job.listeners[0]
+    watcher = job.listeners[-1]
     watcher._view_chosen = True  # no view: the test reads the curves
     for epoch in (1, 2):
         job.emit("metric", 0, report_body(epoch, loss=1.0 / epoch))
@@ -393,3 +398,35 @@ def test_the_live_figure_kept_between_jobs_draws_the_next_job_s_curves_alone():
     (ax,) = reused._figure.axes
     low, high = ax.get_ylim()
     assert 38 < low < 40 and 41 < high < 43 and ax.get_xlim()[1] < 30
+
+
+ENGINE_ALONE = r"""
+import json, sys
+sys.path.insert(0, TESTS)
+import torchrun_tasks
+from ddp_notebook.engine.job import Job, JobOptions
+from ddp_notebook.engine.spec import resolve_devices
+from ddp_notebook.wire import payload
+
+got = []
+task = payload.dumps(payload.CallTask(torchrun_tasks.reports_three_steps, (), {}, False, payload.Sources()))
+job = Job(resolve_devices(cpus=2), task, JobOptions(callbacks=(got.append,))).start()
+values = job.wait()
+print(json.dumps({"values": values, "history": list(job.history), "got": got,
+                  "views": sorted(name for name in sys.modules if name.startswith("ddp_notebook.notebook"))}))
+"""
+
+
+def test_a_job_started_by_the_engine_alone_keeps_its_history_and_calls_its_callbacks(no_leftovers):
+    """The engine owns the metrics: a job made without the front door (no dashboard, no view imported) reduces its
+    ranks' reports into its history and sends every record to its callbacks."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", f"TESTS = {tests!r}\n" + ENGINE_ALONE], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["values"] == [0, 1]
+    expected = [{"step": step, "steps": 3, "loss": step + 0.5} for step in range(3)]
+    assert found["history"] == expected
+    assert found["got"] == [{"step": step, "loss": step + 0.5} for step in range(3)]
+    assert found["views"] == []  # no view was imported: the metrics are the engine's

@@ -29,6 +29,7 @@ from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_t
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
 from . import hangs, profiling, stacks
+from .metrics import Metrics, RankTimings
 from .output import OutputRelay, release_kernel_pipe
 from .spec import JobSpec
 
@@ -70,6 +71,24 @@ class PromptRefused(Exception):
 
 
 @dataclass(frozen=True)
+class JobOptions:
+    """How a job runs, beyond where its ranks are (its :class:`JobSpec`): made once by the front door (``%%ddp``'s
+    flags, ``launch()``'s arguments) and never changed; a :class:`Job` reads it and nothing else sets the job up."""
+
+    max_restarts: int = 0  # a failed attempt is run again on fresh ranks this many times
+    stop_grace: float = 10.0  # how long a graceful stop waits for a batch boundary (--grace)
+    hang_after: float | None = hangs.DEFAULT_HANG_AFTER  # no progress this long: the job says why (why())
+    keep_failed_rank: bool = False  # --debug: the failing rank of the job's own ranks stays for debug()
+    callbacks: tuple = ()  # each reduced metric record is sent to these (engine/callbacks.py)
+    profile: "profiling.ProfileOptions | None" = None  # --profile: the ranks' window of steps
+    profile_folder: str | None = None  # where the merged trace goes (None: the working folder)
+    # Answers the ranks' prompts (input(), pdb) with a line typed in the notebook, or raises PromptRefused
+    # (EOFError: the end of input); a run in the foreground has one. None: prompts are refused.
+    prompter: Callable[[str], str] | None = None
+    show_where_interrupted: bool = False  # a foreground cell shows where the ranks were when stopped hard
+
+
+@dataclass(frozen=True)
 class Outcome:
     """Where a job stands: its status, what each rank has returned or how it failed so far, and when."""
 
@@ -82,11 +101,27 @@ class Outcome:
 
 
 class EventSource:
-    """What views need of a run: listeners for its events, its reduced ``history``, a way to redraw it,
-    and its ``status`` ('running', 'done', 'failed', 'stopped', ...)."""
+    """What views need of a run: listeners for its events, its metrics (``history``, ``ranks``), a way to redraw
+    it, and its ``status`` ('running', 'done', 'failed', 'stopped', ...)."""
 
     listeners: list[Listener]
     status: str
+    metrics: Metrics | None = None  # made with the run (a followed run's once it knows its ranks)
+
+    def start_metrics(self, world_size: int, callbacks=()) -> None:
+        """Give the run its metrics: the first of its listeners."""
+        self.metrics = Metrics(world_size, callbacks)
+        self.listeners.insert(0, self.metrics)
+
+    @property
+    def history(self):
+        """The reduced metric records (``report()``), one a step or epoch (engine/history.py)."""
+        return self.metrics.history if self.metrics is not None else []
+
+    @property
+    def ranks(self) -> RankTimings:
+        """Rank -> where its time per batch went (engine/metrics.py)."""
+        return self.metrics.ranks if self.metrics is not None else RankTimings()
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(job, kind, rank, body)`` for every event a rank sends."""
@@ -115,37 +150,35 @@ class Job(EventSource):
     of a warm pool (``group``), possibly on some of them only (``targets``).
     """
 
-    def __init__(self, spec: JobSpec, task: Any, *, relay: OutputRelay | None = None, grace: float = 3.0,
-                 group: RankBackend | None = None, targets: list[int] | None = None,
-                 backend: Callable[[Any, OutputRelay], RankBackend] = LocalRanks,
-                 on_interrupt: Callable[["Job"], None] | None = None, max_restarts: int = 0,
-                 renew: Callable[[str], RankBackend] | None = None, stop_grace: float = 10.0):
+    def __init__(self, spec: JobSpec, task: Any, options: JobOptions = JobOptions(), *,
+                 relay: OutputRelay | None = None, grace: float = 3.0, group: RankBackend | None = None,
+                 targets: list[int] | None = None, backend: Callable[[Any, OutputRelay], RankBackend] = LocalRanks,
+                 on_interrupt: Callable[["Job"], None] | None = None,
+                 renew: Callable[[str], RankBackend] | None = None):
         self.spec = spec
         self.task = task
+        self.options = options
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
         self.grace = grace
         self.group = group
         self.targets = list(range(spec.world_size)) if targets is None else list(targets)
         self.on_interrupt = on_interrupt
-        self.max_restarts = max_restarts
+        self.max_restarts = options.max_restarts
         self.renew = renew  # fresh ranks for the next attempt on a pool's group (the pool restarts them)
         self.attempt = 0  # 0, then 1, 2, ... after each restart
         self.attempts: list[dict] = []  # the failed attempts: {"attempt", "cause", "error"}
-        self.stop_grace = stop_grace  # how long a graceful stop may wait for a batch boundary
+        self.stop_grace = options.stop_grace  # how long a graceful stop may wait for a batch boundary
         self.stoppable: set[int] = set()  # ranks whose task checks for a graceful stop
         self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
         self.interrupted_where: "stacks.RankStacks | None" = None  # each rank's stack as a hard interrupt came
         self.interrupted_where_told = False  # ... already printed
-        self.show_where_interrupted = False  # a foreground cell shows where the ranks were when stopped hard
         self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
         self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
         self._interrupted_at_start = False  # the stop button came as the job started: the wait takes it
         self._stopped_where: dict[int, dict] = {}
         self.task_id = next(_task_ids)
         self.listeners: list[Listener] = []
-        self.history: list[dict] = []  # reduced metric records, filled by an observer (dashboard.watch)
-        self.ranks: dict[int, dict] = {}  # per-rank timings (rank -> dict), filled by an observer (dashboard.watch)
-        self.callbacks: list[Any] = []  # each reduced metric record is sent to these (see callbacks.py)
+        self.start_metrics(spec.world_size, options.callbacks)
         self.started_at: float | None = None
         self.ended_at: float | None = None
         self.backend = backend  # what starts the job's own ranks (not used on a warm pool's)
@@ -162,22 +195,23 @@ class Job(EventSource):
         self._stop_requested = False
         self._stopped_by = "job.stop()"
         self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
-        # Answers the ranks' prompts (input(), pdb) with a line typed in the notebook, or raises PromptRefused
-        # (EOFError: the end of input); set for a run in the foreground. None: prompts are refused.
-        self.prompter: Callable[[str], str] | None = None
+        self.prompter = options.prompter  # (None once it could not ask: the later prompts are refused)
         self._prompts: collections.deque = collections.deque()  # (rank, PROMPT body), in the order they came
         self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
         self._told_limit = False  # the user was told how long the other ranks wait for a rank at its prompt
         self._debugging: int | None = None  # the rank in its debugger: the others' prompts wait until it goes on
         self._asking: dict | None = None  # the PROMPT asked in the notebook now (an interrupt leaves it unanswered)
-        self.keep_failed_rank = False  # --debug: the failing rank of the job's own ranks stays for debug()
         self.kept_rank: int | None = None  # the failing rank that holds its failure for debug()
         self._debugged = False
-        # --profile (engine/profiling.py): the ranks' window of steps, and what a listener made of their traces
-        self.profile_options: "profiling.ProfileOptions | None" = None
-        self.profile: "profiling.Profile | None" = None
-        self.hang_after: float | None = hangs.DEFAULT_HANG_AFTER  # no progress this long: the job says why (why())
+        self._profiler = profiling.Collector(options.profile_folder) if options.profile is not None else None
+        if self._profiler is not None:
+            self.add_listener(self._profiler)
         self._hang_watch: hangs.HangWatch | None = None
+
+    @property
+    def profile(self) -> "profiling.Profile | None":
+        """``--profile``: where each rank's time went and the merged trace, once the job has ended."""
+        return self._profiler.profile if self._profiler is not None else None
 
     @property
     def pids(self) -> dict[int, int]:
@@ -267,7 +301,7 @@ class Job(EventSource):
         return self
 
     def _begin_attempt(self) -> None:
-        after = self.hang_after
+        after = self.options.hang_after
         if after and self.spec.timeout and after > 0.75 * self.spec.timeout:
             after = 0.75 * self.spec.timeout  # said before the process-group timeout ends it: its error tells why
         self._hang_watch = hangs.HangWatch(after)
@@ -331,7 +365,7 @@ class Job(EventSource):
                                                          **self._new_results_files()}))
 
     def _profile_options(self) -> dict:
-        return {"profile": self.profile_options.for_ranks()} if self.profile_options is not None else {}
+        return {"profile": self.options.profile.for_ranks()} if self.options.profile is not None else {}
 
     def _new_results_files(self) -> dict:
         """An empty shared file for each rank's result (``sharing.results_file``), the notebook's own: a rank may
@@ -709,16 +743,19 @@ class Job(EventSource):
         if not isinstance(error, RankError) or error.failure.kind != "user" or not hasattr(self.group, "signal") \
                 or self.spec.nnodes > 1 or self.spec.executor is not None:
             return
-        if self._owns_group and not self.keep_failed_rank:
+        if self._owns_group and not self.options.keep_failed_rank:
             return
         self.kept_rank = error.rank
         _kept = self
 
-    def debug(self) -> None:
+    def debug(self, prompter: Callable[[str], str] | None = None) -> None:
         """Open the debugger post mortem in the rank kept at its failure (``%%ddp --debug``, ``launch(...,
-        debug=True)``, or a warm pool's last failed cell): its prompts are answered by :attr:`prompter`; ``u``
-        and ``d`` walk the rank's own traceback.  Returns when the user quits or continues (KeyboardInterrupt when
-        interrupted); the job's own ranks end then, a warm pool's rank goes back to the pool."""
+        debug=True)``, or a warm pool's last failed cell): its prompts are answered by ``prompter`` (by default
+        the job's own, ``JobOptions.prompter``); ``u`` and ``d`` walk the rank's own traceback.  Returns when the
+        user quits or continues (KeyboardInterrupt when interrupted); the job's own ranks end then, a warm pool's
+        rank goes back to the pool."""
+        if prompter is not None:
+            self.prompter = prompter
         rank = self.kept_rank
         if rank is None or self.group is None or rank not in self.group.alive:
             self.let_go_of_failure()
@@ -801,7 +838,7 @@ class Job(EventSource):
         if self._outcome is None:  # stopped, or a foreground run interrupted (Jupyter's stop button)
             stopped = JobStopped(self.task_id, self._stopped_by) if self._stop_requested else KeyboardInterrupt()
             self._outcome = ("error", stopped)
-            if not self._stop_requested and self.interrupted_where is None and self.show_where_interrupted:
+            if not self._stop_requested and self.interrupted_where is None and self.options.show_where_interrupted:
                 self.interrupted_where = self._where_now()
         if self._owns_group:
             if self.group is not None:

@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 from ..wire import payload, protocol
-from .job import Job
+from .job import Job, JobOptions
 from .spec import JobSpec
 from ..wire.errors import LaunchError
 from .output import OutputRelay
@@ -249,8 +249,8 @@ class Pool:
         targets hold once they have (for :meth:`cell_done`)."""
         return payload.sources_since(min(self._sources_version[r] for r in targets))
 
-    def job(self, task: bytes, spec: JobSpec, targets: list[int] | None = None,
-            relay: OutputRelay | None = None, max_restarts: int = 0) -> Job:
+    def job(self, task: bytes, spec: JobSpec, options: JobOptions = JobOptions(), targets: list[int] | None = None,
+            relay: OutputRelay | None = None) -> Job:
         """A job for one cell (or call) on the pool's ranks."""
         if self.busy is not None:
             raise LaunchError("the warm pool is busy with a background job: wait for it (job.wait()) or stop it")
@@ -259,8 +259,8 @@ class Pool:
         bad = [r for r in targets if not 0 <= r < self.spec.world_size]
         if bad:
             raise LaunchError(f"--ranks {bad}: the pool has ranks 0 to {self.spec.world_size - 1}")
-        job = Job(spec, task, group=self.group, targets=targets, relay=relay,
-                  on_interrupt=self._interrupted, max_restarts=max_restarts, renew=self._renew)
+        job = Job(spec, task, options, group=self.group, targets=targets, relay=relay,
+                  on_interrupt=self._interrupted, renew=self._renew)
         job.add_listener(lambda job, kind, rank, body: setattr(self, "busy", job) if kind == protocol.STARTED else None)
         job.on_done.append(self._job_ended)
         return job

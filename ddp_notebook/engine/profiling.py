@@ -122,11 +122,12 @@ class Profile:
 
 
 class Collector:
-    """Listens to a job (``job.add_listener``); as it ends, merges its ranks' traces and sets ``job.profile``."""
+    """Listens to a job (``job.add_listener``); as it ends, merges its ranks' traces into :attr:`profile`."""
 
     def __init__(self, folder: str | None = None):
         self.folder = os.path.abspath(os.path.expanduser(folder)) if folder else os.getcwd()
         self.traces: dict[int, tuple[dict, int]] = {}  # rank -> (its Chrome trace, offset ns)
+        self.profile: Profile | None = None  # once the job has ended
 
     def __call__(self, job, kind: str, rank: int, body: dict) -> None:
         if kind == protocol.PROFILE and body.get("trace"):
@@ -138,7 +139,7 @@ class Collector:
             self.traces.clear()  # (a restart: only the last attempt's)
         elif kind == protocol.ENDED:
             try:
-                job.profile = self.finish(f"ddp_profile_job{job.task_id}")
+                self.profile = self.finish(f"ddp_profile_job{job.task_id}")
             except OSError as exc:
                 print(f"ddp_notebook: the profile trace could not be written into {self.folder}: {exc}")
 
@@ -303,14 +304,4 @@ def checked(spec: Any, *, nnodes: int = 1, executor: Any = None, detach: bool = 
     if options is not None and (nnodes > 1 or executor is not None or detach or export_only):
         raise LaunchError("--profile covers the ranks of this host and the warm pool: not a job on several hosts, "
                           "a Slurm job or an export (run torch.profiler in the script there)")
-    return options
-
-
-def attach(job, spec: Any, folder: str | None = None) -> ProfileOptions | None:
-    """Profile ``job`` as ``spec`` asks (``ProfileOptions.parse``); its traces are merged into ``folder`` (the
-    job's ``--log-dir``; None: the working folder) as it ends.  Returns the options (None: not profiled)."""
-    options = ProfileOptions.parse(spec)
-    if options is not None:
-        job.profile_options = options
-        job.add_listener(Collector(folder))
     return options

@@ -1,8 +1,10 @@
-"""Live metrics in the notebook: reduce what the ranks report, draw it, forward it.
+"""Live metrics in the notebook: draw what the ranks report.
 
 :func:`install` registers :func:`watch` as a job observer of the launcher; from
-then on every job gets a ``history`` and a :class:`Watcher` listening to its
-events.  Nothing is shown and nothing heavy is imported until a rank reports.
+then on every job gets a :class:`Watcher` listening to its events and subscribed
+to its metrics (the job's own: ``engine/metrics.py`` reduces the reports into
+``job.history`` and forwards them to callbacks, with or without a view).
+Nothing is shown and nothing heavy is imported until a rank reports.
 Then, in a Jupyter kernel, a dashboard appears under the cell (:class:`DisplayView`):
 a text status with a progress bar and matplotlib panels rendered to ``image/png``,
 plain display outputs updated in place, so any front end shows them live with no
@@ -24,8 +26,7 @@ from typing import Any
 
 from ..wire import protocol
 from ..engine import job as engine_job
-from ..engine.callbacks import Forwarder
-from ..engine.history import History, Reducer
+from ..engine.history import Reducer
 from ..engine.output import release_kernel_pipe
 from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
@@ -56,9 +57,7 @@ def install() -> None:
 
 
 def watch(job) -> None:
-    """The job observer: give the job a history and a watcher."""
-    job.history = History()
-    job.ranks = RankView()
+    """The job observer: a watcher of the job's events and metrics."""
     job.add_listener(Watcher(job))
 
 
@@ -74,7 +73,7 @@ def show(job) -> None:
     watcher = next((item for item in job.listeners if isinstance(item, Watcher)), None)
     history = getattr(job, "history", [])
     status = watcher.status if watcher is not None else Status.of_finished(job)
-    reducer = watcher.reducer if watcher is not None else None
+    reducer = watcher.reducer if watcher is not None else getattr(getattr(job, "metrics", None), "reducer", None)
     if not kernel_frontend():
         for record in history:
             print(format_record(record))
@@ -726,117 +725,93 @@ def _stop_button(stop, stop_hint: str | None):
     return button, CellOutput(bundle)
 
 
-STRAGGLER_GAP = 0.10  # the others wait this much more of each step than the slowest rank: it is named
-
-
-class RankView(dict):
-    """``job.ranks``: rank -> where its time per batch went, from what its loader and DDP measured.
-
-    Each value is a dict: ``batches``, ``samples_per_s``, ``data_wait`` and ``comm_wait`` (shares of its
-    step time spent waiting for data and, in the gradient all-reduce, for the other ranks), ``compute``
-    (the rest), ``memory`` (bytes) and ``memory_kind`` ("cuda peak allocated" on GPUs, else "resident").
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._totals: dict[int, dict] = {}
-
-    def add(self, rank: int, stats: dict) -> None:
-        totals = self._totals.setdefault(rank, {"batches": 0, "samples": 0, "step_s": 0.0, "data_s": 0.0,
-                                                "comm_s": 0.0})
-        for name in totals:
-            totals[name] += stats[name]
-        step_s = totals["step_s"] or float("nan")
-        data_wait, comm_wait = totals["data_s"] / step_s, totals["comm_s"] / step_s
-        self[rank] = {"batches": totals["batches"], "samples_per_s": totals["samples"] / step_s,
-                      "data_wait": data_wait, "comm_wait": comm_wait,
-                      "compute": max(0.0, 1.0 - data_wait - comm_wait),
-                      "memory": stats["memory"], "memory_kind": stats["memory_kind"]}
-
-    def straggler(self) -> tuple[int, str] | None:
-        """The rank the others wait for in the all-reduce, and a line that says why; None if none stands out."""
-        if len(self) < 2:
-            return None
-        slowest = min(self, key=lambda rank: self[rank]["comm_wait"])
-        others = [self[rank]["comm_wait"] for rank in self if rank != slowest]
-        waited = sum(others) / len(others)
-        if waited - self[slowest]["comm_wait"] < STRAGGLER_GAP:
-            return None
-        own = self[slowest]
-        line = f"rank {slowest}: the others wait {waited:.0%} of each step for it; "
-        if own["data_wait"] >= 0.3:
-            line += f"{own['data_wait']:.0%} of its own time is waiting for data: raise num_workers"
-        else:
-            line += f"it computes {own['compute']:.0%} of its step (data wait {own['data_wait']:.0%})"
-        return slowest, line
-
-    def lines(self) -> list[str]:
-        """The compact per-rank panel of the dashboard's status."""
-        if not self:
-            return []
-        lines = [f"rank {rank}: {s['samples_per_s']:.0f} samples/s · data wait {s['data_wait']:.0%} · "
-                 f"waits for others {s['comm_wait']:.0%} · {s['memory'] / 2**20:.0f} MiB {s['memory_kind']}"
-                 for rank, s in sorted(self.items())]
-        straggler = self.straggler()
-        lines.append(f"straggler: {straggler[1]}" if straggler else "straggler: none (the ranks keep pace)")
-        return lines
-
-
 class Watcher:
-    """Listens to one job: reduces its reports into ``job.history``, forwards them, keeps its views."""
+    """Listens to one job for its status, subscribes to its metrics for the curves, keeps its views."""
 
     def __init__(self, job):
         self.job = job
-        self.lock = threading.Lock()  # between the job's events and the dashboard's drawing thread
-        self.reducer = Reducer(job.spec.world_size, job.history)
+        metrics = job.metrics
+        self.reducer = metrics.reducer
+        self.lock = metrics.lock  # one lock for the reducer and the curves, between the job and the drawing thread
         self.status = Status(job.spec.world_size, job.started_at or time.time())
         self.curves = Curves()
-        self.forwarder = Forwarder(getattr(job, "callbacks", ()))
         self.views: list = []
-        self.curves.reporters = self.reducer.history.reporters if isinstance(job.history, History) else {}
+        self.curves.reporters = metrics.history.reporters
         self.curves.totals = self.reducer.totals
-        self._forwarding = threading.RLock()  # updates reach callbacks and views in order, from either thread
-        self._settle_timer: threading.Timer | None = None
         self._view_chosen = False
         self._started_on = threading.get_ident()
         self._warned = False
+        if not metrics.subscribe(self):
+            self.status.outcome = "ended"
 
     def __call__(self, job, kind: str, rank: int, body: dict) -> None:
         try:
             self._on_event(kind, rank, body)
         except Exception as exc:  # noqa: BLE001 - metrics must never break the job
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"ddp_notebook: live metrics failed on a {kind!r} event: {exc!r}", stacklevel=1)
+            self._warn(kind, exc)
+
+    def _warn(self, kind: str, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"ddp_notebook: live metrics failed on a {kind!r} event: {exc!r}", stacklevel=1)
 
     def add_view(self, view) -> None:
         """Keep the view up to date; finish it at once if the job has already ended (it ticks until then)."""
-        with self.lock:  # _ended sets the outcome under it, then finishes the views it has
+        with self.lock:  # metrics_finished sets the outcome under it, then finishes the views it has
             ended = self.status.outcome is not None
             if not ended:
                 self.views.append(view)
         if ended:
             view.finish([])
 
-    def _on_event(self, kind: str, rank: int, body: dict) -> None:
-        if kind == protocol.METRIC:
-            with self._forwarding:
-                with self.lock:
-                    reports = body["reports"]
-                    updates = self.reducer.add_many(rank, reports)
-                    for report in reports:
-                        if type(report) is dict and "rank_stats" in report:  # (a run carries none)
-                            self.job.ranks.add(rank, report["rank_stats"])
-                    for update in updates:
-                        self.curves.add(update)
-                    notices, self.reducer.notices = self.reducer.notices, []
-                    self._schedule_settle()
-                self.forwarder.send(updates)
-            for notice in notices:  # said once, in the cell
-                print(f"ddp_notebook: {notice}", file=sys.stderr)
-            self._first_report()
+    # -- the job's metrics (engine/metrics.py), in the order they were made -----------------------------------
+    def metrics_updated(self, updates: list[dict]) -> None:
+        try:
+            with self.lock:
+                for update in updates:
+                    self.curves.add(update)
+            self._first_report()  # (at a job's first report, even one that waits for other ranks' reports)
             self._tell_views("updated", updates)
-        elif kind == protocol.PROGRESS:
+        except Exception as exc:  # noqa: BLE001
+            self._warn(protocol.METRIC, exc)
+
+    def metrics_restarted(self, reached: dict[str, float], attempt: int, attempts: int, cause: str) -> None:
+        """An attempt failed and the job runs again on fresh ranks: mark it on the curves and the status line."""
+        with self.lock:
+            key = Status.primary_key(self.reducer)
+            where = f" at {key} {reached[key]}" if key in reached else ""
+            if key in reached:
+                self.curves.mark_restart(key, reached[key] - 0.5)
+            status = self.status
+            status.restart = f"{cause}{where} — attempt {attempt + 1} of {attempts}"
+            status.ready.clear()
+            status.exited.clear()
+            status.progress.clear()
+        print(f"ddp_notebook: {status.restart}", file=sys.stderr)
+
+    def metrics_finished(self, updates: list[dict]) -> None:
+        job = self.job
+        with self.lock:
+            for update in updates:
+                self.curves.add(update)
+            self.status.ended_at = job.ended_at or time.time()
+            stopped_text = getattr(job, "stopped_text", None)  # a Job's; a followed run has none
+            if stopped_text:
+                self.status.outcome = stopped_text
+            elif job.status == "done":
+                self.status.outcome = "done"
+            elif job.status == "stopped":
+                self.status.outcome = "stopped"
+            else:
+                self.status.outcome = "failed"
+        self._tell_views("finish", updates)
+        # Their last drawing is in the page; each view's figure and outputs would otherwise live as long as the
+        # job does (a background job is the cell's value, Out[n]). show() draws again from the history.
+        self.views = []
+
+    # -- the job's events: its status -------------------------------------------------------------------------
+    def _on_event(self, kind: str, rank: int, body: dict) -> None:
+        if kind == protocol.PROGRESS:
             with self.lock:
                 self.status.progress[rank] = (int(body["done"]), int(body["total"]))
             self._first_report()
@@ -851,16 +826,12 @@ class Watcher:
                 self.status.scheduled(body)
             if self.status.queued is not None:
                 self._first_report()  # the dashboard shows while the job waits in the queue
-        elif kind == protocol.ENDED:
-            self._ended(body)
         elif kind == protocol.RESULT:
             with self.lock:
                 self.status.returned.add(rank)
         elif kind == protocol.STOPPING:
             with self.lock:
                 self.status.stopping = f"stopping at the next batch (asked by {body['by']})"
-        elif kind == protocol.RESTARTED:
-            self._restarted(body)
         elif kind == protocol.SAVING:
             with self.lock:
                 self.status.saving = saving_text(body)
@@ -871,48 +842,6 @@ class Watcher:
             print(f"ddp_notebook: attempt {getattr(self.job, 'attempt', 0) + 1} resumes from epoch "
                   f"{body['epoch']}", file=sys.stderr)
 
-    def _schedule_settle(self) -> None:
-        """(Under the lock.)  A metric waits for ranks that have not reported it yet: settle it when its wait
-        is over even if no report comes then (a rank-0-only report once an epoch)."""
-        delay = self.reducer.settles_in()
-        if delay is None or self._settle_timer is not None or self.status.outcome is not None:
-            return
-        self._settle_timer = threading.Timer(delay + 0.01, self._settle_due)
-        self._settle_timer.daemon = True
-        self._settle_timer.start()
-
-    def _settle_due(self) -> None:
-        with self._forwarding:
-            with self.lock:
-                self._settle_timer = None
-                if self.status.outcome is not None:
-                    return
-                updates = self.reducer.settle()
-                for update in updates:
-                    self.curves.add(update)
-                self._schedule_settle()
-            self.forwarder.send(updates)
-        if updates:
-            self._tell_views("updated", updates)
-
-    def _restarted(self, body: dict) -> None:
-        """An attempt failed and the job runs again on fresh ranks: mark it on the curves and the status line."""
-        with self.lock:
-            reached = self.reducer.reached()
-            self.reducer.new_attempt()
-            self.job.history.attempts.append({"attempt": body["attempt"] - 1, "cause": body["cause"],
-                                              "at": reached})
-            key = Status.primary_key(self.reducer)
-            where = f" at {key} {reached[key]}" if key in reached else ""
-            if key in reached:
-                self.curves.mark_restart(key, reached[key] - 0.5)
-            status = self.status
-            status.restart = f"{body['cause']}{where} — attempt {body['attempt'] + 1} of {body['attempts']}"
-            status.ready.clear()
-            status.exited.clear()
-            status.progress.clear()
-        print(f"ddp_notebook: {status.restart}", file=sys.stderr)
-
     def _first_report(self) -> None:
         """Choose the view at the first report, so a job that reports nothing shows nothing."""
         if self._view_chosen:
@@ -921,33 +850,6 @@ class Watcher:
         if threading.get_ident() != self._started_on:
             return  # a job waited on in the background: its output would land in another cell; job.show()
         self.add_view(DisplayView(self) if kernel_frontend() else TextView(self))
-
-    def _ended(self, body: dict) -> None:
-        stopped = self.job.status == "stopped"
-        with self._forwarding:
-            with self.lock:
-                if self._settle_timer is not None:
-                    self._settle_timer.cancel()
-                    self._settle_timer = None
-                updates = self.reducer.finish()
-                for update in updates:
-                    self.curves.add(update)
-                self.status.ended_at = self.job.ended_at or time.time()
-                stopped_text = getattr(self.job, "stopped_text", None)  # a Job's; a followed run has none
-                if stopped_text:
-                    self.status.outcome = stopped_text
-                elif body.get("ok"):
-                    self.status.outcome = "done"
-                elif stopped:
-                    self.status.outcome = "stopped"
-                else:
-                    self.status.outcome = "failed"
-            self.forwarder.send(updates)
-            self.forwarder.close()
-        self._tell_views("finish", updates)
-        # Their last drawing is in the page; each view's figure and outputs would otherwise live as long as the
-        # job does (a background job is the cell's value, Out[n]). show() draws again from the history.
-        self.views = []
 
     def _tell_views(self, method: str, updates: list[dict]) -> None:
         for view in list(self.views):

@@ -59,8 +59,7 @@ class FollowedRun(EventSource):
         self.run_dir = run_dir
         self.run_id: str | None = None
         self.spec = RunSpec(0, 0)
-        self.history: list[dict] = []
-        self.callbacks = list(callbacks)
+        self.callbacks = tuple(callbacks)  # given to its metrics once the run is found
         self.listeners: list[Listener] = []
         self.started_at: float | None = None
         self.ended_at: float | None = None
@@ -123,7 +122,8 @@ class FollowedRun(EventSource):
             self.run_id = newest["run"]
             self.spec = RunSpec(newest["world_size"], newest["nnodes"])
             self.started_at = min(r["time"] for r in starts if r["run"] == self.run_id)
-            dashboard.watch(self)  # a history and a watcher, as every job gets
+            self.start_metrics(self.spec.world_size, self.callbacks)  # its metrics, as every job has
+            dashboard.watch(self)  # and a watcher, as every job gets
         taken = 0
         for record in records:
             if record.get("run") == self.run_id:

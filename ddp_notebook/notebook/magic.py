@@ -335,14 +335,14 @@ class DDPMagics(Magics):
             if args.detach:
                 return api.submit_detached(spec, task)
             relay = background_relay(output_ranks) if args.background else None
-            job = api.prepare_job(spec, task, _metric_callbacks(shell, args), on_pool=warm is not None,
-                                       relay=relay, targets=targets, background=args.background,
-                                       max_restarts=args.max_restarts, log_dir=args.log_dir)
-            job.stop_grace = args.grace
-            if args.hang_after is not None:
-                job.hang_after = args.hang_after or None
-            job.keep_failed_rank = args.debug
-            profiling.attach(job, profile, args.log_dir)
+            foreground = not args.background
+            options = api.JobOptions(
+                max_restarts=args.max_restarts, stop_grace=args.grace, keep_failed_rank=args.debug,
+                callbacks=tuple(_metric_callbacks(shell, args)), profile=profile, profile_folder=args.log_dir,
+                prompter=prompting.ask_in_notebook if foreground else None, show_where_interrupted=foreground,
+                **({} if args.hang_after is None else {"hang_after": args.hang_after or None}))
+            job = api.prepare_job(spec, task, options, on_pool=warm is not None, relay=relay, targets=targets,
+                                  background=args.background, log_dir=args.log_dir)
         except BaseException as exc:
             if spec is not None:
                 spec.release_devices()  # the job will not run: its GPUs go back now
@@ -360,8 +360,6 @@ class DDPMagics(Magics):
 
         if args.background:
             return _start_in_background(shell, job, returns, relay, settle)
-        job.show_where_interrupted = True
-        job.prompter = prompting.ask_in_notebook
         try:
             api.start_job(job)
         except LaunchError as exc:
@@ -477,9 +475,8 @@ class DDPMagics(Magics):
                   "failed cell's failure until its next cell)")
             return
         print(f"ddp_notebook: rank {job.kept_rank} of job #{job.task_id}, at its failure")
-        job.prompter = prompting.ask_in_notebook
         try:
-            job.debug()
+            job.debug(prompter=prompting.ask_in_notebook)
         except (RuntimeError, KeyboardInterrupt) as exc:
             raise UsageError(str(exc)) from None
 

@@ -13,8 +13,8 @@ _COLORS = {"compute": "#4c72b0", "communication": "#dd8452", "data": "#c44e52", 
 def show(job) -> None:
     """Show ``job.profile`` under the cell: the text, a stacked bar per rank (where matplotlib is), and the trace
     as a link (in a notebook) or a path."""
-    found: Profile | None = getattr(job, "profile", None)
-    if job.profile_options is None:
+    found: Profile | None = job.profile
+    if job.options.profile is None:
         return
     if found is None:
         print("ddp_notebook: --profile: no profile (the job ended before its ranks sent their traces)",

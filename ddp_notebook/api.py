@@ -116,8 +116,8 @@ def plan(warm: pool.Pool | None, *, gpus: Any = None, cpus: int | None = None, b
     if warm is not None:
         warm.refuse_job_options(port=port, timeout=timeout, backend=backend)
         return warm.spec_for(seed, output_ranks)
-    spec = resolve_devices(gpus, cpus, backend, force=force, wait=wait)
-    spec.port, spec.seed, spec.timeout, spec.output_ranks = port, seed, timeout, output_ranks
+    spec = resolve_devices(gpus, cpus, backend, force=force, wait=wait, port=port, seed=seed, timeout=timeout,
+                           output_ranks=output_ranks)
     if nnodes != 1:
         spec = multinode.node_spec(spec, nnodes, node_rank, master_addr, export)
     return spec
@@ -137,11 +137,9 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, da
     Returns the per-rank return values, or with ``join=False`` a handle whose
     ``join()`` waits (``daemon`` and ``start_method`` are accepted and ignored).
     """
-    spec = JobSpec(world_size=nprocs, backend="gloo", init_group=False)
-    gpu_list = gpu_discovery.discover()
-    if gpu_list:
-        # As under mp.spawn, every process sees every GPU and picks its own.
-        spec.gpus = [g.visible_id for g in gpu_list]
+    # As under mp.spawn, every process sees every GPU and picks its own.
+    spec = JobSpec(world_size=nprocs, gpus=[g.visible_id for g in gpu_discovery.discover()] or None, backend="gloo",
+                   init_group=False)
     task = payload.CallTask(fn, tuple(args), {}, True, payload.sources_for(fn))
     if join:
         return run_job(spec, task)
@@ -197,7 +195,7 @@ def prepare_job(spec: JobSpec, task: Any, options: JobOptions = JobOptions(), *,
         if logs is not None:
             logs.close()
         raise
-    job.relay.logs = logs
+    job.relay.log_to(logs)
     for note in spec.notes:
         print(f"ddp_notebook: {note}", file=sys.stderr)
     return job

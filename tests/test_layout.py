@@ -202,3 +202,37 @@ def test_debug_logging_shows_the_engines_lifecycle():
     for step in ("ranks started: LocalRanks", "job #1 started on LocalRanks: 2 ranks, port", "rank 0: hello",
                  "rank 1: result", "exited with 0", "job #1 ended: done", "ranks stopped"):
         assert step in out.stderr, (step, out.stderr)
+
+
+# What the notebook side and the front door may set on an object not their own `self`: objects they made themselves.
+OWN_OBJECTS = {
+    ("ddp_notebook.notebook.dashboard", "watcher._view_chosen"),  # its own Watcher
+    ("ddp_notebook.notebook.dashboard", "status.ended_at"),  # its own Status
+    ("ddp_notebook.notebook.dashboard", "status.outcome"),
+    ("ddp_notebook.notebook.dashboard", "status.restart"),
+    ("ddp_notebook.notebook.magic", "interrupt._render_traceback_"),  # the KeyboardInterrupt it raises
+    ("ddp_notebook.notebook.picker", "_active.summary.value"),  # its own picker's widgets
+    ("ddp_notebook.notebook.picker", "previous.summary.value"),
+}
+
+
+def test_the_notebook_side_never_sets_the_attributes_of_the_engines_objects():
+    """A job, its spec, a pool, a relay are configured through their constructors and methods (``JobOptions``,
+    ``resolve_devices(port=...)``, ``pool.hold_names``, ``relay.log_to``), never by setting their attributes from
+    the notebook side or the front door."""
+    wrong = []
+    for module, path in MODULES.items():
+        if _side(module) != "notebook" and module != "ddp_notebook.api":
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    root = item
+                    while isinstance(root, ast.Attribute):
+                        root = root.value
+                    if isinstance(item, ast.Attribute) and not (isinstance(root, ast.Name) and root.id == "self") \
+                            and (module, ast.unparse(item)) not in OWN_OBJECTS:
+                        wrong.append(f"{module}:{node.lineno} sets {ast.unparse(item)}")
+    assert wrong == []

@@ -9,9 +9,9 @@ nothing of dashboards: views subscribe with :meth:`Job.add_listener`.
 from __future__ import annotations
 
 import _signal
-import collections
 import contextlib
 import ctypes
+import enum
 import functools
 import itertools
 import os
@@ -31,13 +31,13 @@ from .local import LocalRanks
 from . import hangs, profiling, stacks
 from .metrics import Metrics, RankTimings
 from .output import OutputRelay, release_kernel_pipe
+from .prompts import PromptRelay
 from .spec import JobSpec
+from .stop import Stop
 
 log = logging.getLogger("ddp_notebook")
 Listener = Callable[["Job", str, int, dict], None]
-DEBUG_WAIT_S = 3600  # a process-group timeout this short is told at a rank's first prompt
 WATCHDOG_TAIL = 64 << 10  # how much of a rank's last output is searched for the NCCL watchdog's timeout message
-ANNOUNCE_WAIT_S = 2.0  # how long a task interrupted as it starts has to say that it can stop gracefully
 
 _last_job: "Job | None" = None
 _kept: "Job | None" = None  # the failed job whose failing rank waits for the debugger (Job.debug)
@@ -65,9 +65,36 @@ def observe_jobs(observer: Callable[["Job"], None]) -> Callable[["Job"], None]:
 _task_ids = itertools.count(1)
 
 
-class PromptRefused(Exception):
-    """What answers a job's prompts cannot ask (no stdin in the front end); the message says why, and the rank
-    that asked fails with it."""
+class Phase(enum.Enum):
+    """Where a job is in its life (``job.phase``); the moves it may make are :data:`MOVES`."""
+
+    NEW = "new"  # made, not started
+    RUNNING = "running"  # its ranks run the task (after a restart: again, on fresh ranks)
+    STOPPING = "stopping"  # its ranks were asked to stop at their next batch boundary; they still run
+    ENDING = "ending"  # its verdict is in, or it is stopped hard: its ranks are being ended (or restarted), and
+    #                    their exits are no news
+    ENDED = "ended"  # it said so to its listeners and keeps what it came to: status, results, history, logs
+
+
+MOVES = {
+    Phase.NEW: {Phase.RUNNING, Phase.ENDING},  # (stopped before it started)
+    Phase.RUNNING: {Phase.STOPPING, Phase.ENDING},
+    Phase.STOPPING: {Phase.ENDING},
+    Phase.ENDING: {Phase.RUNNING, Phase.ENDED},  # a restart runs the task again
+    Phase.ENDED: set(),
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a job's run came out, once it has: the per-rank values, or the error it failed (or was stopped) with."""
+
+    values: Any = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 @dataclass(frozen=True)
@@ -140,7 +167,8 @@ class EventSource:
 
     @property
     def done(self) -> bool:
-        return self._outcome is not None
+        """The run has ended (or following it has)."""
+        raise NotImplementedError
 
 
 class Job(EventSource):
@@ -158,55 +186,61 @@ class Job(EventSource):
         self.spec = spec
         self.task = task
         self.options = options
+        self.task_id = next(_task_ids)
+        self.phase = Phase.NEW
         self.relay = relay or OutputRelay(ranks=spec.output_ranks)
-        self.grace = grace
+        self.grace = grace  # how long a failure waits for the other ranks' reports (a lost peer may be an echo)
         self.group = group
         self.targets = list(range(spec.world_size)) if targets is None else list(targets)
         self.on_interrupt = on_interrupt
-        self.max_restarts = options.max_restarts
+        self.backend = backend  # what starts the job's own ranks (not used on a warm pool's)
         self.renew = renew  # fresh ranks for the next attempt on a pool's group (the pool restarts them)
-        self.attempt = 0  # 0, then 1, 2, ... after each restart
-        self.attempts: list[dict] = []  # the failed attempts: {"attempt", "cause", "error"}
-        self.stop_grace = options.stop_grace  # how long a graceful stop may wait for a batch boundary
-        self.stoppable: set[int] = set()  # ranks whose task checks for a graceful stop
-        self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
-        self.interrupted_where: "stacks.RankStacks | None" = None  # each rank's stack as a hard interrupt came
-        self.interrupted_where_told = False  # ... already printed
-        self._stop_asked_at: float | None = None  # when a graceful stop was asked (monotonic)
-        self._graceful_by: str | None = None  # a graceful stop asked from another thread, for the job's own
-        self._interrupted_at_start = False  # the stop button came as the job started: the wait takes it
-        self._stopped_where: dict[int, dict] = {}
-        self.task_id = next(_task_ids)
+        self._owns_group = group is None
         self.listeners: list[Listener] = []
         self.start_metrics(spec.world_size, options.callbacks)
+        self._profiler = profiling.Collector(options.profile_folder) if options.profile is not None else None
+        if self._profiler is not None:
+            self.add_listener(self._profiler)
+        self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
         self.started_at: float | None = None
         self.ended_at: float | None = None
-        self.backend = backend  # what starts the job's own ranks (not used on a warm pool's)
-        self._owns_group = group is None
+        self._thread: threading.Thread | None = None
+        self._verdict: Verdict | None = None  # the one record of how it came out
+        # the current attempt
+        self.attempt = 0  # 0, then 1, 2, ... after each restart
+        self.attempts: list[dict] = []  # the failed attempts: {"attempt", "cause", "error"}
         self._task_path: str | None = None
         self._results_files: dict[int, int] = {}  # rank -> the file its result's big arrays are copied into
         self._results: dict[int, Any] = {}
         self._failures: dict[int, Failure] = {}
         self._first_failure_at: float | None = None
-        self._outcome: tuple[str, Any] | None = None  # ("ok", values) | ("error", exc)
         self._exit_how: dict[int, str] = {}  # rank -> "SIGKILL", "exit code 3": how a rank died unreported
-        self._thread: threading.Thread | None = None
-        self._finishing = False
-        self._stop_requested = False
-        self._stopped_by = "job.stop()"
-        self.on_done: list[Callable[["Job"], None]] = []  # called once the job has ended, on its thread
-        self.prompter = options.prompter  # (None once it could not ask: the later prompts are refused)
-        self._prompts: collections.deque = collections.deque()  # (rank, PROMPT body), in the order they came
-        self._refusal: str | None = None  # why the prompter could not ask: the later prompts are refused too
-        self._told_limit = False  # the user was told how long the other ranks wait for a rank at its prompt
-        self._debugging: int | None = None  # the rank in its debugger: the others' prompts wait until it goes on
-        self._asking: dict | None = None  # the PROMPT asked in the notebook now (an interrupt leaves it unanswered)
+        self._hang_watch: hangs.HangWatch | None = None
+        self._hang_diagnosis: "hangs.Diagnosis | None" = None  # the last found, kept for a timeout's error
+        # stopping
+        self._stop = Stop(options.stop_grace)
+        self._interrupted_at_start = False  # the stop button came as the job started: the wait takes it
+        self._stopped_where: dict[int, dict] = {}  # rank -> where a graceful stop ended its task
+        self.stopped_at: dict | None = None  # where a graceful stop ended the task: {epoch, batch} or {step}
+        self.interrupted_where: "stacks.RankStacks | None" = None  # each rank's stack as a hard interrupt came
+        self.interrupted_where_told = False  # ... already printed
+        # prompts and the debugger
+        self._prompts = PromptRelay(self.task_id, options.prompter, send=self._send_to_rank,
+                                    catch_up=self._catch_up, no_prompter=self._no_prompter_why,
+                                    world_size=spec.world_size)
         self.kept_rank: int | None = None  # the failing rank that holds its failure for debug()
         self._debugged = False
-        self._profiler = profiling.Collector(options.profile_folder) if options.profile is not None else None
-        if self._profiler is not None:
-            self.add_listener(self._profiler)
-        self._hang_watch: hangs.HangWatch | None = None
+
+    def _move(self, phase: Phase) -> None:
+        if phase not in MOVES[self.phase]:
+            raise RuntimeError(f"job #{self.task_id} cannot go from {self.phase.value} to {phase.value}")
+        log.debug("job #%s: %s -> %s", self.task_id, self.phase.value, phase.value)
+        self.phase = phase
+
+    @property
+    def stoppable(self) -> set[int]:
+        """The ranks whose task said it checks for a graceful stop (a ``distributed_loader``, ``should_stop()``)."""
+        return self._stop.stoppable
 
     @property
     def profile(self) -> "profiling.Profile | None":
@@ -226,13 +260,17 @@ class Job(EventSource):
         return self.group.workdir if self.group is not None else None
 
     @property
+    def done(self) -> bool:
+        """Its verdict is in (its ranks may still be ending)."""
+        return self._verdict is not None
+
+    @property
     def status(self) -> str:
-        """'running', 'done', 'failed' or 'stopped'."""
-        if self._outcome is None or self.ended_at is None:
+        """'running' (until it has ended), 'done', 'failed' or 'stopped'."""
+        if self.phase is not Phase.ENDED:
             return "running"
-        kind, value = self._outcome
-        stopped = isinstance(value, (KeyboardInterrupt, JobStopped)) or self.stopped_at is not None
-        return "stopped" if stopped else "done" if kind == "ok" else "failed"
+        stopped = isinstance(self._verdict.error, (KeyboardInterrupt, JobStopped)) or self.stopped_at is not None
+        return "stopped" if stopped else "done" if self._verdict.ok else "failed"
 
     @property
     def outcome(self) -> Outcome:
@@ -243,13 +281,13 @@ class Job(EventSource):
     @property
     def results(self) -> list[Any] | None:
         """The per-rank return values once the job has succeeded."""
-        return self._outcome[1] if self._outcome is not None and self._outcome[0] == "ok" else None
+        return self._verdict.values if self._verdict is not None and self._verdict.ok else None
 
     @property
     def error(self) -> BaseException | None:
         """The job's error once it has failed; :class:`JobStopped` once stopped (``KeyboardInterrupt`` when
         a foreground run was interrupted)."""
-        return self._outcome[1] if self._outcome is not None and self._outcome[0] == "error" else None
+        return self._verdict.error if self._verdict is not None else None
 
     def logs(self, rank: int) -> str:
         """Rank ``rank``'s complete output so far (stdout and stderr, its newest 16 MB), including the lines the
@@ -278,6 +316,7 @@ class Job(EventSource):
         if _kept is not None:
             _kept.let_go_of_failure()  # a warm pool's ranks forget it as the next task starts; others end now
         spec = self.spec
+        self._move(Phase.RUNNING)
         self.started_at = time.time()
         for observe in list(_job_observers):
             observe(self)
@@ -313,35 +352,33 @@ class Job(EventSource):
 
     # -- restart ---------------------------------------------------------
     def _may_restart(self) -> bool:
-        if self._outcome is None or self._stop_requested or self.attempt >= self.max_restarts:
-            return False
-        kind, value = self._outcome
-        return kind == "error" and isinstance(value, RankError)
+        """A rank failed, restarts are left, and no one asked the job to stop."""
+        return self._verdict is not None and isinstance(self._verdict.error, RankError) \
+            and not self._stop.asked and self.attempt < self.options.max_restarts
 
     def _restart(self) -> None:
         """This attempt failed: stop every rank and run the task again on fresh ranks (a fresh port)."""
-        error: RankError = self._outcome[1]
+        error: RankError = self._verdict.error
         cause = self._cause_text(error)
         self.attempts.append({"attempt": self.attempt, "cause": cause, "error": error})
         log.debug("job #%s attempt %s failed (%s); restarting", self.task_id, self.attempt, cause)
-        self._finishing = True
+        self._move(Phase.ENDING)
         self._forget_task_file()
         if self._owns_group:
             self.group.kill()
             self.group = None
         self._results, self._failures, self._exit_how = {}, {}, {}
-        self._prompts.clear()
-        self._debugging = None
+        self._prompts.forget()
         self._first_failure_at = None
-        self._outcome = None
-        self._finishing = False
+        self._verdict = None
+        self._move(Phase.RUNNING)
         self.attempt += 1
         if self._owns_group:
             self.group = self.backend(self.spec, self.relay).start(self.task, self.task_id)
         else:
             self.group = self.renew(f"attempt {self.attempt} of job #{self.task_id} failed: {cause}")
             self.group.relay = self.relay
-        self.emit(protocol.RESTARTED, -1, {"attempt": self.attempt, "attempts": self.max_restarts + 1,
+        self.emit(protocol.RESTARTED, -1, {"attempt": self.attempt, "attempts": self.options.max_restarts + 1,
                                             "cause": cause, "failure": error.failure})
         self._begin_attempt()
 
@@ -396,9 +433,9 @@ class Job(EventSource):
         if self._hang_watch is not None:
             self._hang_watch.progress()
         if kind == protocol.STOPPABLE:
-            self.stoppable.add(rank)
-        if kind in (protocol.RESULT, protocol.FAILED) and self._debugging == rank:
-            self._debugging = None
+            self._stop.stoppable.add(rank)
+        if kind in (protocol.RESULT, protocol.FAILED, protocol.SAID):
+            self._prompts.went_on(rank)
         if kind == protocol.RESULT and rank in self.targets:
             if body.get("stopped"):
                 self._stopped_where[rank] = body["stopped"]
@@ -414,18 +451,12 @@ class Job(EventSource):
             self.relay.add_to_log(rank, f"[ddp_notebook] rank {rank}'s error:\n"
                                         f"{body['traceback'] or body['etype'] + ': ' + body['message']}\n")
             if body["kind"] == "debugger":  # q, or the end of input, in a rank's debugger: the job stops
-                self._stopped_by = f"quitting the debugger of rank {rank}"
-                self._stop_requested = True
+                self._stop.ask_hard(f"quitting the debugger of rank {rank}")
         elif kind == protocol.PROMPT:
-            if self.prompter is None:
-                self._answer(rank, body, {"refused": self._no_prompter_why()})
-            else:
-                self._prompts.append((rank, body))
+            self._prompts.take(rank, body)
         elif kind == protocol.DEBUGGED and rank == self.kept_rank:
             self._debugged = True
         elif kind == protocol.SAID:
-            if self._debugging == rank:
-                self._debugging = None
             if body["text"] and self._thread is None:
                 self.relay.flush()
                 self.relay.add_to_log(rank, body["text"])
@@ -436,61 +467,28 @@ class Job(EventSource):
         self.emit(kind, rank, body)
 
     def _no_prompter_why(self) -> str:
-        if self._refusal is not None:
-            return self._refusal
         if self._thread is not None:
             return f"job #{self.task_id} runs in the background and its cell has returned, so no input box can " \
                    f"reach the notebook (run the cell in the foreground to debug it)"
         return f"nothing answers the prompts of job #{self.task_id}"
 
-    def _answer_prompts(self) -> None:
-        """Ask the ranks' prompts in the notebook, one at a time in the order they came, a rank in its debugger
-        alone until it goes on; send the answers.  An interrupt at a prompt stops the job."""
-        while self._prompts and not self._stop_requested:
-            waiting = [i for i, (rank, _) in enumerate(self._prompts) if self._debugging in (None, rank)]
-            if not waiting:
-                return
-            rank, body = self._prompts[waiting[0]]
-            del self._prompts[waiting[0]]
-            if body.get("debugger"):
-                self._debugging = rank
-            self._answer_prompt(rank, body)
+    def _send_to_rank(self, rank: int, message: tuple) -> None:
+        self.group.send(rank, message)
 
-    def _answer_prompt(self, rank: int, body: dict) -> None:
-        self.group.pump(0)  # what the rank printed before it asked is shown first
+    def _catch_up(self) -> None:
+        """What the ranks printed so far is shown (before a prompt is asked)."""
+        self.group.pump(0)
         self.relay.flush()
-        limit = body.get("group_timeout")
-        if limit is not None and limit < DEBUG_WAIT_S and self.spec.world_size > 1 and not self._told_limit:
-            self._told_limit = True
-            print(f"ddp_notebook: while rank {rank} waits at its prompt, ranks that wait for it in a collective give "
-                  f"up {limit:g} s after they began (the process group's timeout; torch.distributed.breakpoint() "
-                  f"gives every rank an hour)", file=sys.stderr, flush=True)
-        if body.get("said"):
-            sys.stdout.write(body["said"])
-            sys.stdout.flush()
-        self._asking = body
-        try:
-            answer = {"text": self.prompter(body["prompt"])}
-        except EOFError:
-            answer = {"eof": True}
-        except KeyboardInterrupt:
-            self._stopped_by = f"an interrupt at the prompt of rank {rank} (the debugger)"
-            self._stop_requested = True
-            return
-        except Exception as exc:  # noqa: BLE001 - the rank fails with the reason, never waits
-            why = str(exc) if isinstance(exc, PromptRefused) else \
-                f"the notebook could not ask ({type(exc).__name__}: {exc})"
-            self.prompter, self._refusal = None, why  # every later prompt is refused alike, at once
-            answer = {"refused": why}
-        self._asking = None
-        self._answer(rank, body, answer)
 
-    def _answer(self, rank: int, prompt: dict, answer: dict) -> None:
-        self.group.send(rank, (protocol.ANSWER, {"task": self.task_id, "id": prompt.get("id"), **answer}))
+    def _answer_prompts(self) -> None:
+        """Ask the ranks' prompts in the notebook (the prompt relay); an interrupt at a prompt stops the job."""
+        stopped_by = self._prompts.ask_waiting(lambda: self._stop.hard)
+        if stopped_by is not None:
+            self._stop.ask_hard(stopped_by)
 
     def _on_exit(self, rank: int, code: int | None) -> None:
-        if rank not in self._results and rank not in self._failures and self._outcome is None \
-                and not self._finishing:
+        if rank not in self._results and rank not in self._failures and self._verdict is None \
+                and self.phase in (Phase.RUNNING, Phase.STOPPING):
             if code is not None:
                 self._exit_how[rank] = signal_name(code) if code < 0 else f"exit code {code}"
             watchdog = nccl_watchdog_timeout(self.relay.log(rank)[-WATCHDOG_TAIL:]) \
@@ -502,8 +500,7 @@ class Job(EventSource):
             else:
                 self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
                                           "exit"))
-        if self._debugging == rank:
-            self._debugging = None
+        self._prompts.went_on(rank)
         self.emit(protocol.EXITED, rank, {"code": code})
 
     def _add_failure(self, failure: Failure) -> None:
@@ -528,7 +525,7 @@ class Job(EventSource):
         if len(self._results) == len(targets):
             if self._stopped_where:
                 self.stopped_at = self._stopped_where.get(targets[0]) or next(iter(self._stopped_where.values()))
-            self._outcome = ("ok", payload.joined_results([self._results[r] for r in targets]))
+            self._verdict = Verdict(values=payload.joined_results([self._results[r] for r in targets]))
             return
         group = self.group
         if spec.init_group and len(group.ready) + len(group.exited) < spec.world_size \
@@ -564,7 +561,7 @@ class Job(EventSource):
         elif others and cause.kind != "timeout":
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
         earlier = [f"attempt {a['attempt'] + 1}: {a['cause']}" for a in self.attempts]
-        self._outcome = ("error", RankError(cause, failures, note, earlier, self.relay.whole_text_at(cause.rank)))
+        self._verdict = Verdict(error=RankError(cause, failures, note, earlier, self.relay.whole_text_at(cause.rank)))
 
     # -- wait / stop -----------------------------------------------------
     def result(self) -> list[Any]:
@@ -584,13 +581,12 @@ class Job(EventSource):
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"job #{self.task_id} is still running after {timeout} s")
-        else:
+        elif self.phase is not Phase.ENDED:
             with self._stacks_on_sigusr2():
                 self._run()
-        kind, value = self._outcome
-        if kind == "error":
-            raise value
-        return value
+        if not self._verdict.ok:
+            raise self._verdict.error
+        return self._verdict.values
 
     @contextlib.contextmanager
     def _stacks_on_sigusr2(self):
@@ -610,7 +606,7 @@ class Job(EventSource):
     def _run(self) -> None:
         try:
             while True:
-                while self._outcome is None and not self._stop_requested:
+                while self._verdict is None and not self._stop.hard:
                     self._pump_or_stop_gracefully()
                 if not self._may_restart():
                     break
@@ -618,56 +614,53 @@ class Job(EventSource):
         except BaseException:
             self._stop_now()
             raise
-        if self._outcome is None:
+        if self._verdict is None:
             self._stop_now()  # stop() asked for it
         else:
             self._finish()
 
     def _pump_or_stop_gracefully(self) -> None:
         """Pump; the first interrupt asks a task that checks for it to stop at its next batch boundary.  A second
-        interrupt, or no boundary within ``stop_grace`` seconds, stops it hard (KeyboardInterrupt)."""
+        interrupt, or no boundary within the grace (``JobOptions.stop_grace``), stops it hard (KeyboardInterrupt;
+        :class:`JobStopped` for ``job.stop()``)."""
+        stop = self._stop
         at_start = self._interrupted_at_start and threading.current_thread() is threading.main_thread()
         try:
             if at_start:
                 self._interrupted_at_start = False
                 raise KeyboardInterrupt
-            if self._graceful_by is not None and self._stop_asked_at is None:
-                self._ask_to_stop(self._graceful_by)
+            if stop.pending is not None and stop.sent_at is None:
+                self._ask_to_stop(stop.pending)
             self._pump()
             self._answer_prompts()
         except KeyboardInterrupt:
             # Ranks interrupted as they were given the task have not reached their loop to say that it can stop
             # gracefully: they are asked too, and are stopped hard if none says so within ANNOUNCE_WAIT_S.
-            if self._stop_asked_at is None and (self.stoppable or at_start):
+            if stop.sent_at is None and (stop.stoppable or at_start):
                 self._ask_to_stop("the interrupt")
                 return
             raise
-        if self._stop_asked_at is not None and self._outcome is None \
-                and time.monotonic() - self._stop_asked_at > self._grace_now():
-            log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, self._grace_now())
+        if self._verdict is None and stop.expired():
+            log.debug("job #%s: no batch boundary within %s s; stopping hard", self.task_id, stop.grace_now())
             self._on_grace_expired()
-            if self._graceful_by is not None:
-                self._stop_requested = True  # job.stop(): the stop becomes a hard one (JobStopped)
+            if stop.by_call:
+                stop.ask_hard()  # job.stop(): the stop becomes a hard one (JobStopped)
             else:
                 raise KeyboardInterrupt
 
-    def _grace_now(self) -> float:
-        """How long a graceful stop waits for a batch boundary: ``stop_grace`` once a rank has said its task can
-        stop there, else only until the ranks had time to say so."""
-        return self.stop_grace if self.stoppable else min(self.stop_grace, ANNOUNCE_WAIT_S)
-
     def _ask_to_stop(self, by: str) -> None:
         """Ask every rank to stop at the next batch boundary (they agree on the same one)."""
-        self._stop_asked_at = time.monotonic()
+        self._stop.sent()
+        self._move(Phase.STOPPING)
         log.debug("job #%s: graceful stop asked by %s", self.task_id, by)
-        self.emit(protocol.STOPPING, -1, {"by": by, "grace": self.stop_grace})
+        self.emit(protocol.STOPPING, -1, {"by": by, "grace": self._stop.grace})
         self.group.send_to(self.targets, (protocol.STOP, {"task": self.task_id}))
 
     def _on_grace_expired(self) -> None:
         """A graceful stop found no boundary in time: say so, and where each rank was."""
         self.interrupted_where = self.stacks()
         self.interrupted_where_told = True
-        print(f"ddp_notebook: no batch boundary within {self._grace_now():g} s of the stop; stopping hard. "
+        print(f"ddp_notebook: no batch boundary within {self._stop.grace_now():g} s of the stop; stopping hard. "
               f"Where each rank was:\n{self.interrupted_where}", file=sys.stderr)
 
     def stacks(self) -> "stacks.RankStacks":
@@ -678,7 +671,6 @@ class Job(EventSource):
         return stacks.collect(self.group, list(self.targets))
 
     # -- hangs -----------------------------------------------------------
-    _hang_diagnosis: "hangs.Diagnosis | None" = None  # the last found, kept for a process-group timeout's error
 
     def why(self) -> "hangs.Diagnosis":
         """Why the job is stuck: which ranks wait in which collective (name and number, from torch's Flight
@@ -691,7 +683,7 @@ class Job(EventSource):
 
     def _say_if_stuck(self) -> None:
         """``hang_after`` seconds without progress: say why, once; the job goes on (the user stops it or waits)."""
-        if self._hang_watch is None or self._outcome is not None or self._stop_asked_at is not None:
+        if self._hang_watch is None or self._verdict is not None or self.phase is not Phase.RUNNING:
             return
         if not set(self.targets) <= self.group.ready:
             self._hang_watch.progress()  # still starting: the start-up bound applies, not hang_after
@@ -713,8 +705,8 @@ class Job(EventSource):
         try:
             self._run()
         except BaseException as exc:  # noqa: BLE001
-            if self._outcome is None:
-                self._outcome = ("error", exc)
+            if self._verdict is None:
+                self._verdict = Verdict(error=exc)
         finally:
             release_kernel_pipe()  # the descriptor a kernel gave this thread for its output, closed now
             trim_heap()
@@ -722,8 +714,8 @@ class Job(EventSource):
     def _finish(self) -> None:
         """Let ranks exit cleanly on success; stop them at once on failure (with ``keep_failed_rank``, all but the
         failing one, which waits for :meth:`debug`)."""
-        self._finishing = True
-        failed = self._outcome[0] != "ok"
+        self._move(Phase.ENDING)
+        failed = not self._verdict.ok
         if failed:
             self._keep_failure()
         if self._owns_group:
@@ -739,7 +731,7 @@ class Job(EventSource):
         """Where the failing rank reported a Python error and stays up (a warm pool's rank, or ``keep_failed_rank``
         on ranks that serve tasks), it keeps its failure for :meth:`debug`."""
         global _kept
-        error = self._outcome[1]
+        error = self._verdict.error
         if not isinstance(error, RankError) or error.failure.kind != "user" or not hasattr(self.group, "signal") \
                 or self.spec.nnodes > 1 or self.spec.executor is not None:
             return
@@ -754,26 +746,22 @@ class Job(EventSource):
         the job's own, ``JobOptions.prompter``); ``u`` and ``d`` walk the rank's own traceback.  Returns when the
         user quits or continues (KeyboardInterrupt when interrupted); the job's own ranks end then, a warm pool's
         rank goes back to the pool."""
-        if prompter is not None:
-            self.prompter = prompter
         rank = self.kept_rank
         if rank is None or self.group is None or rank not in self.group.alive:
             self.let_go_of_failure()
             raise RuntimeError(f"job #{self.task_id} has no rank kept at its failure any more (its ranks have "
                                f"ended, or a warm pool ran another task or restarted them)")
         self._debugged = False
-        self._prompts.clear()
-        self._stop_requested = False
-        self._refusal = self._asking = None
-        self._told_limit = True  # (no rank waits for it any more)
+        self._stop = Stop(self.options.stop_grace)  # the session's own: quitting the debugger or an interrupt
+        self._prompts.debug_session(prompter)
         self.group.send(rank, (protocol.DEBUG, {"task": self.task_id}))
         try:
-            while not self._debugged and not self._stop_requested and rank in self.group.alive:
+            while not self._debugged and not self._stop.hard and rank in self.group.alive:
                 self.group.pump(0.1)
                 self._answer_prompts()
         except KeyboardInterrupt:
-            self._stop_requested = True
-        interrupted = self._stop_requested and not self._debugged
+            self._stop.ask_hard()
+        interrupted = self._stop.hard and not self._debugged
         try:
             if interrupted and not self._owns_group:
                 self._leave_debugger(rank)
@@ -782,16 +770,13 @@ class Job(EventSource):
         if interrupted:
             raise KeyboardInterrupt(f"the debugger of rank {rank} was interrupted; the rank "
                                     f"{'has ended' if self._owns_group else 'went back to the warm pool'}")
-        if self._refusal is not None:
-            raise RuntimeError(f"the debugger of rank {rank} could not ask: {self._refusal}")
+        if self._prompts.refusal is not None:
+            raise RuntimeError(f"the debugger of rank {rank} could not ask: {self._prompts.refusal}")
 
     def _leave_debugger(self, rank: int) -> None:
         """A warm pool's rank in the debugger post mortem, interrupted in the notebook: its prompts are refused
         (the one asked, those waiting and those on their way) until it has left the debugger."""
-        self.prompter, self._refusal = None, "the debugger was interrupted in the notebook"
-        for body in ([self._asking] if self._asking is not None else []) + [body for _, body in self._prompts]:
-            self._answer(rank, body, {"refused": self._refusal})
-        self._prompts.clear()
+        self._prompts.refuse_all(rank, "the debugger was interrupted in the notebook")
         deadline = time.monotonic() + self.grace
         while not self._debugged and rank in self.group.alive and time.monotonic() < deadline:
             self.group.pump(0.05)  # (a prompt arriving now is refused at once)
@@ -816,29 +801,28 @@ class Job(EventSource):
         it has ended).
         """
         thread = self._thread
-        if not now and self.stoppable and self._outcome is None and thread is not None and thread.is_alive() \
-                and thread is not threading.current_thread():
-            self._graceful_by = by  # the job's own thread sends it: it owns the ranks' connections
-            self._stopped_by = by
-            thread.join(None if timeout is None else timeout + self.stop_grace)
+        on_its_thread = thread is not None and thread.is_alive() and thread is not threading.current_thread()
+        if not now and self._stop.stoppable and self._verdict is None and on_its_thread:
+            self._stop.ask_gracefully(by)  # the job's own thread sends it: it owns the ranks' connections
+            thread.join(None if timeout is None else timeout + self._stop.grace)
             return
-        if not self._stop_requested:
-            self._stopped_by = by
-        thread = self._thread
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            self._stop_requested = True  # the job's own thread stops it: it owns the ranks' pipes
+        if on_its_thread:
+            self._stop.ask_hard(by)  # the job's own thread stops it: it owns the ranks' pipes
             thread.join(timeout)
             return
-        if self.ended_at is None:
-            self._stop_requested = True
+        if self.phase is not Phase.ENDED:
+            self._stop.ask_hard(by)
             self._stop_now()
 
     def _stop_now(self) -> None:
-        self._finishing = True
-        if self._outcome is None:  # stopped, or a foreground run interrupted (Jupyter's stop button)
-            stopped = JobStopped(self.task_id, self._stopped_by) if self._stop_requested else KeyboardInterrupt()
-            self._outcome = ("error", stopped)
-            if not self._stop_requested and self.interrupted_where is None and self.options.show_where_interrupted:
+        if self.phase is Phase.ENDED:
+            return
+        if self.phase is not Phase.ENDING:
+            self._move(Phase.ENDING)
+        if self._verdict is None:  # stopped, or a foreground run interrupted (Jupyter's stop button)
+            hard = self._stop.hard
+            self._verdict = Verdict(error=JobStopped(self.task_id, self._stop.by) if hard else KeyboardInterrupt())
+            if not hard and self.interrupted_where is None and self.options.show_where_interrupted:
                 self.interrupted_where = self._where_now()
         if self._owns_group:
             if self.group is not None:
@@ -870,12 +854,13 @@ class Job(EventSource):
         self._close_results_files()
         payload.release(self.task)  # its shared arrays: the ranks have mapped them or are gone
         self.spec.release_devices()  # for other jobs (a pool job's spec holds none: the pool holds them)
-        if self.ended_at is None:
+        if self.phase is not Phase.ENDED:
             self.ended_at = time.time()
+            self._move(Phase.ENDED)
             log.debug("job #%s ended: %s", self.task_id, self.status)
             self.relay.flush(final=True)
             self.relay.close_logs()
-            self.emit(protocol.ENDED, -1, {"ok": self._outcome[0] == "ok"})
+            self.emit(protocol.ENDED, -1, {"ok": self._verdict.ok})
             try:
                 for callback in self.on_done:
                     callback(self)

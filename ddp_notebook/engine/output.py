@@ -177,6 +177,10 @@ class OutputRelay:
         """Everything rank ``rank`` wrote to stdout and stderr (its newest 16 MB), what the cell elided too."""
         return bytes(self._logs.get(rank, b"")).decode("utf-8", "replace")
 
+    def log_to(self, logs: "RankLogs | None") -> None:
+        """Also write every rank's output into ``logs`` (``--log-dir``) until :meth:`close_logs`."""
+        self.logs = logs
+
     def close_logs(self) -> None:
         """The job has ended: close the files of ``--log-dir``."""
         if self.logs is not None:

@@ -244,6 +244,11 @@ class Pool:
                 shipped[name] = value
         return shipped
 
+    def hold_names(self, bound: set[str] | None) -> None:
+        """The ranks now hold these names too (a cell bound them, or was sent them); None: a cell whose names
+        cannot be told, so any name may be the ranks' own from now on."""
+        self.rank_names = None if bound is None or self.rank_names is None else self.rank_names | bound
+
     def sources_to_ship(self, targets: list[int]) -> tuple[payload.Sources, int]:
         """The notebook's cell sources some target rank has not installed as they are now, and the version the
         targets hold once they have (for :meth:`cell_done`)."""

@@ -91,11 +91,19 @@ WAIT_POLL_S = 1.0  # how often --wait looks again
 
 
 def resolve_devices(gpus: Any = None, cpus: int | None = None, backend: str | None = None, *,
-                    force: bool = False, wait: float | None = None) -> JobSpec:
+                    force: bool = False, wait: float | None = None, port: int | None = None,
+                    seed: int | None = None, timeout: float | None = None,
+                    output_ranks: set[int] | None = None) -> JobSpec:
     """Turn the user's device request into a spec, or refuse it before anything starts.  GPUs are reserved
     against every other ddp_notebook job on the machine (``spec.reservation``); ``force`` shares a GPU named
     explicitly although another job holds it; ``wait`` (minutes, ``math.inf``: no limit) waits for a count of
-    GPUs to be free of reservations and load, first come first served."""
+    GPUs to be free of reservations and load, first come first served.  The other options go into the spec."""
+    spec = _devices(gpus, cpus, backend, force=force, wait=wait)
+    spec.port, spec.seed, spec.timeout, spec.output_ranks = port, seed, timeout, output_ranks
+    return spec
+
+
+def _devices(gpus: Any, cpus: int | None, backend: str | None, *, force: bool, wait: float | None) -> JobSpec:
     if gpus is not None and cpus is not None:
         raise LaunchError("give either gpus or cpus, not both")
     if backend is not None and backend not in ("nccl", "gloo"):

@@ -87,6 +87,11 @@ class FollowedRun(EventSource):
         return "failed" if self.failures else "running"
 
     @property
+    def done(self) -> bool:
+        """Following has ended."""
+        return self._outcome is not None
+
+    @property
     def finished(self) -> bool:
         """Every node of the run has written its end."""
         return self.spec.nnodes > 0 and len(self.nodes_ended) >= self.spec.nnodes

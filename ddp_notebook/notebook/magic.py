@@ -334,7 +334,7 @@ class DDPMagics(Magics):
                 return None
             if args.detach:
                 return api.submit_detached(spec, task)
-            relay = background_relay(output_ranks) if args.background else None
+            relay, cell_log = background_relay(output_ranks) if args.background else (None, None)
             foreground = not args.background
             options = api.JobOptions(
                 max_restarts=args.max_restarts, stop_grace=args.grace, keep_failed_rank=args.debug,
@@ -353,13 +353,12 @@ class DDPMagics(Magics):
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
             if warm is not None:
                 bound = scan_names(cell)[0]  # a failed cell may have bound names too
-                warm.rank_names = None if bound is None or warm.rank_names is None \
-                    else warm.rank_names | bound | set(names)
+                warm.hold_names(None if bound is None else bound | set(names))
                 warm.cell_done(job, names, cell, shell.user_ns, job.results[0].values if job.results and returns
                                else None, sources_version=sources_version)
 
         if args.background:
-            return _start_in_background(shell, job, returns, relay, settle)
+            return _start_in_background(shell, job, returns, cell_log, settle)
         try:
             api.start_job(job)
         except LaunchError as exc:
@@ -411,8 +410,8 @@ class DDPMagics(Magics):
             raise UsageError("a warm pool is already up (%ddp_status); %ddp_stop it first")
         try:
             job_spec.check_options(args.port, None, args.timeout)
-            spec = job_spec.resolve_devices(args.gpus, args.cpus, args.backend, force=args.force, wait=args.wait)
-            spec.port, spec.timeout = args.port, args.timeout
+            spec = job_spec.resolve_devices(args.gpus, args.cpus, args.backend, force=args.force, wait=args.wait,
+                                            port=args.port, timeout=args.timeout)
             for note in spec.notes:
                 print(f"ddp_notebook: {note}", file=sys.stderr)
             started = time.time()
@@ -676,17 +675,16 @@ def _unassigned(job, results: list) -> str:
 
 
 def background_relay(output_ranks: set[int] | None = None):
-    """Rank output of a background job goes to one output under its own cell, from any thread."""
+    """Rank output of a background job goes to one output under its own cell, from any thread: (the relay, that
+    output)."""
     from ..engine.output import OutputRelay
     from .cell_output import CellLog
 
     log = CellLog(max_lines=50)  # a tail: the dashboard below it should not move far down
-    relay = OutputRelay(log, log, ranks=output_ranks)
-    relay.cell_log = log
-    return relay
+    return OutputRelay(log, log, ranks=output_ranks), log
 
 
-def _start_in_background(shell, job, returns: list[str], relay, settle):
+def _start_in_background(shell, job, returns: list[str], cell_log, settle):
     def finished(job):
         settle(job)
         if job.results is not None and returns:
@@ -694,14 +692,14 @@ def _start_in_background(shell, job, returns: list[str], relay, settle):
             shell.user_ns.update(result.values)
             missing = f"; {_unassigned(job, job.results)}" if result.missing else ""
             how = job.stopped_text or "done"
-            relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
+            cell_log.write(f"[ddp_notebook] job #{job.task_id} {how}: {', '.join(result.values)} "
                                  f"copied into the notebook{missing}\n")
         elif job.stopped_text:
-            relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
+            cell_log.write(f"[ddp_notebook] job #{job.task_id} {job.stopped_text}\n")
         elif job.status == "failed":
-            relay.cell_log.write(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
+            cell_log.write(f"[ddp_notebook] job #{job.task_id} failed: {job.error}\n")
         elif job.status == "stopped":
-            relay.cell_log.write(f"[ddp_notebook] {job.error}\n")
+            cell_log.write(f"[ddp_notebook] {job.error}\n")
 
     job.on_done.append(finished)
     try:

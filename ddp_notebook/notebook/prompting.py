@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import sys
 
-from ..engine.job import PromptRefused
+from ..engine.prompts import PromptRefused
 
 NO_STDIN = ("this front end takes no input (allow_stdin is off: nbconvert, papermill and other runs without a "
             "person at the notebook), so no one can answer it")

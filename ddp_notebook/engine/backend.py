@@ -85,6 +85,16 @@ class RankBackend(abc.ABC):
     #: True when the ranks run the task they were started with (an export); else the job sends it (RUN).
     runs_own_task = False
 
+    @property
+    def keeps_failed_rank(self) -> bool:
+        """A rank that failed with a Python error can stay at its failure for the debugger (``DEBUG``), and the
+        others be ended apart (:meth:`signal`): ranks of this host that serve tasks.  Else it ends with its task."""
+        return False
+
+    def signal(self, ranks, sig: int) -> None:
+        """Send ``sig`` to these ranks' processes (where :attr:`keeps_failed_rank`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot signal its ranks")
+
     def __init__(self, spec, relay: OutputRelay):
         self.spec = spec
         self.relay = relay
@@ -239,6 +249,10 @@ class ChannelRanks(RankBackend):
         with whole_message():
             send_together([by_rank[rank] for rank in ranks if rank in by_rank], bytes(data))  # a failed send: the
             # rank's exit tells the rest
+
+    @property
+    def keeps_failed_rank(self) -> bool:
+        return not self.runs_own_task  # (an export's ranks, of several hosts or a Slurm job, end with their task)
 
     def signal(self, ranks, sig: int) -> None:
         """Send ``sig`` to these ranks' processes."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..wire import payload, protocol, sharing
-from ..wire.errors import Failure, JobStopped, RankError, blame, nccl_watchdog_timeout
+from ..wire.errors import Failure, FailureKind, JobStopped, RankError, blame, nccl_watchdog_timeout
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
 from . import hangs, profiling, stacks
@@ -385,9 +385,9 @@ class Job(EventSource):
     def _cause_text(self, error: RankError) -> str:
         """One line on why an attempt failed: "rank 1 died (SIGKILL)"."""
         failure = error.failure
-        if failure.kind == "exit" and failure.rank in self._exit_how:
+        if failure.kind == FailureKind.EXIT and failure.rank in self._exit_how:
             return f"rank {failure.rank} died ({self._exit_how[failure.rank]})"
-        if failure.kind == "timeout":
+        if failure.kind == FailureKind.TIMEOUT:
             return error.summary()
         headline = failure.headline()
         return f"rank {failure.rank} failed: {headline if len(headline) <= 100 else headline[:97] + '...'}"
@@ -443,14 +443,14 @@ class Job(EventSource):
                 self._results[rank] = payload.loads(body["value"])  # big arrays mapped from its results file
             except Exception as exc:
                 self._add_failure(Failure(rank, type(exc).__name__, f"its return value could not be unpickled "
-                                          f"in the notebook: {exc}", "", time.time(), "user"))
+                                          f"in the notebook: {exc}", "", time.time(), FailureKind.USER))
         elif kind == protocol.FAILED:
             self._add_failure(Failure(rank, body["etype"], body["message"], body["traceback"], body["time"],
                                       body["kind"]))
             # The whole report in the rank's log (the cell shows it clipped where huge: RankError)
             self.relay.add_to_log(rank, f"[ddp_notebook] rank {rank}'s error:\n"
                                         f"{body['traceback'] or body['etype'] + ': ' + body['message']}\n")
-            if body["kind"] == "debugger":  # q, or the end of input, in a rank's debugger: the job stops
+            if body["kind"] == FailureKind.DEBUGGER:  # q, or the end of input, in a rank's debugger: the job stops
                 self._stop.ask_hard(f"quitting the debugger of rank {rank}")
         elif kind == protocol.PROMPT:
             self._prompts.take(rank, body)
@@ -496,10 +496,10 @@ class Job(EventSource):
             if watchdog:  # NCCL's watchdog ended the rank at the timeout: a collective timed out, not a crash
                 self._add_failure(Failure(rank, "DistBackendError", f"collective timed out (NCCL watchdog): "
                                           f"{watchdog} (the watchdog then ended the rank with SIGABRT)", "",
-                                          time.time(), "timeout"))
+                                          time.time(), FailureKind.TIMEOUT))
             else:
                 self._add_failure(Failure(rank, "RankDied", self.group.describe_exit(rank, code), "", time.time(),
-                                          "exit"))
+                                          FailureKind.EXIT))
         self._prompts.went_on(rank)
         self.emit(protocol.EXITED, rank, {"code": code})
 
@@ -518,7 +518,8 @@ class Job(EventSource):
             # A real error needs no wait; a crash barely any; a lost peer may be
             # the echo of an error whose report is still on its way.
             kinds = {f.kind for f in self._failures.values()}
-            wait = 0.3 if kinds & {"user", "startup"} else 0.5 if "exit" in kinds else self.grace
+            wait = 0.3 if kinds & {FailureKind.USER, FailureKind.STARTUP} else \
+                0.5 if FailureKind.EXIT in kinds else self.grace
             if answered >= set(targets) or time.monotonic() - self._first_failure_at >= wait:
                 self._fail()
             return
@@ -534,14 +535,14 @@ class Job(EventSource):
             self._add_failure(Failure(late[0], "StartupTimeout",
                                       f"ranks {', '.join(map(str, late))} did not join the process group within "
                                       f"{spec.startup_timeout:.0f} s (start-up bound, not --timeout)",
-                                      "", time.time(), "startup"))
+                                      "", time.time(), FailureKind.STARTUP))
 
     def _fail(self) -> None:
         failures = sorted(self._failures.values(), key=lambda f: f.rank)
         cause = blame(failures)
         note = ""
-        timed_out = [f.rank for f in failures if f.kind == "timeout"]
-        if cause.kind == "timeout":
+        timed_out = [f.rank for f in failures if f.kind == FailureKind.TIMEOUT]
+        if cause.kind == FailureKind.TIMEOUT:
             finished = sorted(self._results)
             note = f"ranks {', '.join(map(str, timed_out))} were stuck in a collective until the timeout " \
                    f"({f'{self.spec.timeout} s' if self.spec.timeout else 'torch default'})"
@@ -558,7 +559,7 @@ class Job(EventSource):
         others = [f.rank for f in failures if f.rank != cause.rank]
         if len(failures) == len(self.targets) > 1 and len({f.headline() for f in failures}) == 1:
             note = "(every rank failed the same way)"
-        elif others and cause.kind != "timeout":
+        elif others and cause.kind != FailureKind.TIMEOUT:
             note = f"(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
         earlier = [f"attempt {a['attempt'] + 1}: {a['cause']}" for a in self.attempts]
         self._verdict = Verdict(error=RankError(cause, failures, note, earlier, self.relay.whole_text_at(cause.rank)))
@@ -732,8 +733,8 @@ class Job(EventSource):
         on ranks that serve tasks), it keeps its failure for :meth:`debug`."""
         global _kept
         error = self._verdict.error
-        if not isinstance(error, RankError) or error.failure.kind != "user" or not hasattr(self.group, "signal") \
-                or self.spec.nnodes > 1 or self.spec.executor is not None:
+        if not isinstance(error, RankError) or error.failure.kind != FailureKind.USER \
+                or not self.group.keeps_failed_rank:
             return
         if self._owns_group and not self.options.keep_failed_rank:
             return

@@ -26,7 +26,7 @@ import cloudpickle
 from ..wire import payload, protocol
 from .job import Job, JobOptions
 from .spec import JobSpec
-from ..wire.errors import LaunchError
+from ..wire.errors import FailureKind, LaunchError
 from .output import OutputRelay
 from .backend import RankBackend, signal_name
 from .local import LocalRanks
@@ -318,7 +318,8 @@ class Pool:
     def _answered(self, job: Job) -> bool:
         outcome = job.outcome
         answered = set(outcome.results) | {r for r, f in outcome.failures.items()
-                                           if f.kind in ("user", "interrupted", "debugger")}
+                                           if f.kind in (FailureKind.USER, FailureKind.INTERRUPTED,
+                                                         FailureKind.DEBUGGER)}
         return answered >= set(job.targets) and not self.group.exited
 
     def _after_failure(self, job: Job) -> None:

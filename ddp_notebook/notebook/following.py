@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..wire import protocol
 from . import dashboard
-from ..wire.errors import Failure, RankError, blame
+from ..wire.errors import Failure, FailureKind, RankError, blame
 from ..engine import hangs
 from ..engine.job import EventSource
 from ..engine.runfiles import RunFiles, UntrustedRunFolder, message_of
@@ -165,7 +165,7 @@ class FollowedRun(EventSource):
             self.exited.add(rank)
             if record.get("lost") and rank not in self.failures:
                 self.failures[rank] = Failure(rank, "RankDied", f"rank {rank} ended without reporting an error",
-                                              "", record["time"], "exit")
+                                              "", record["time"], FailureKind.EXIT)
             self.emit(protocol.EXITED, rank, {"code": None if record.get("lost") else 0})
         elif event == protocol.FILE_END:
             self.nodes_ended[record["node"]] = bool(record["ok"])

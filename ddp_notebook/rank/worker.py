@@ -303,7 +303,7 @@ def failure_report(exc: BaseException, labels: dict, kind: str | None = None) ->
         "message": str(exc),
         "traceback": format_exception(exc, labels),
         "time": time.time(),
-        "kind": kind or classify(exc),
+        "kind": str(kind or classify(exc)),  # (a FailureKind's value: the wire carries plain data)
     }
 
 

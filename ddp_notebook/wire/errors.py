@@ -1,6 +1,7 @@
 """Errors that cross from the ranks to the notebook, and how they are told."""
 from __future__ import annotations
 
+import enum
 import os
 import re
 import traceback
@@ -89,6 +90,18 @@ class TrainingStopped(BaseException):
     """
 
 
+class FailureKind(enum.StrEnum):
+    """Why a rank failed; :func:`blame` puts the kinds that cause others first.  A string (the wire carries it so)."""
+
+    USER = "user"  # the task raised
+    STARTUP = "startup"  # the rank could not start, reach the notebook or join the process group in time
+    EXIT = "exit"  # it died without a report
+    TIMEOUT = "timeout"  # a collective timed out
+    COMM = "comm"  # it lost a peer
+    INTERRUPTED = "interrupted"  # it was interrupted (KeyboardInterrupt)
+    DEBUGGER = "debugger"  # q, or the end of input, in its debugger
+
+
 @dataclass
 class Failure:
     """What one rank reported (or what its exit told) about why it failed."""
@@ -98,7 +111,10 @@ class Failure:
     message: str
     traceback: str
     time: float  # when the rank caught the error (time.time() on that rank)
-    kind: str  # "user", "comm" (lost a peer), "timeout", "exit" (died without a report), "startup", "interrupted"
+    kind: FailureKind  # (a string from the wire is made one)
+
+    def __post_init__(self):
+        self.kind = FailureKind(self.kind)
 
     def headline(self) -> str:
         return f"{self.etype}: {self.message}" if self.message else self.etype
@@ -124,8 +140,8 @@ class RankError(DDPNotebookError, RuntimeError):
 
     def summary(self) -> str:
         headline = clipped(self.failure.headline(), SHOWN_MESSAGE_CHARS, self.whole)
-        if self.failure.kind == "timeout":
-            stuck = sorted(f.rank for f in self.failures if f.kind == "timeout")
+        if self.failure.kind == FailureKind.TIMEOUT:
+            stuck = sorted(f.rank for f in self.failures if f.kind == FailureKind.TIMEOUT)
             return f"a collective timed out on rank(s) {', '.join(map(str, stuck))}: {headline}"
         return f"rank {self.rank} failed: {headline}"
 
@@ -150,7 +166,7 @@ class RankError(DDPNotebookError, RuntimeError):
 _DISTRIBUTED = re.compile(r"gloo|nccl|c10d|TCPStore|ProcessGroup", re.IGNORECASE)
 
 
-def classify(exc: BaseException) -> str:
+def classify(exc: BaseException) -> FailureKind:
     """'comm' for a lost peer, 'timeout' for a collective that timed out, else 'user'.
 
     Only errors raised by torch.distributed count as the first two: a user's own
@@ -160,10 +176,10 @@ def classify(exc: BaseException) -> str:
     distributed = type(exc).__name__.startswith("Dist") or (isinstance(exc, RuntimeError)
                                                            and _DISTRIBUTED.search(text) is not None)
     if not distributed:
-        return "user"
+        return FailureKind.USER
     if _TIMEOUT_PATTERNS.search(text) and not _COMM_PATTERNS.search(text):
-        return "timeout"
-    return "comm"
+        return FailureKind.TIMEOUT
+    return FailureKind.COMM
 
 
 def nccl_watchdog_timeout(output: str) -> str | None:
@@ -204,5 +220,6 @@ def blame(failures: list[Failure]) -> Failure:
     real report arrives; so real errors come before lost-peer errors, and within
     a kind the earliest time on the ranks' own clocks wins, not arrival order.
     """
-    order = {"user": 0, "startup": 0, "exit": 1, "timeout": 2, "comm": 3, "interrupted": 4}
+    order = {FailureKind.USER: 0, FailureKind.STARTUP: 0, FailureKind.EXIT: 1, FailureKind.TIMEOUT: 2,
+             FailureKind.COMM: 3, FailureKind.INTERRUPTED: 4}
     return min(failures, key=lambda f: (order.get(f.kind, 0), f.time, f.rank))

@@ -155,9 +155,9 @@ def _meeting_keys_left_by_the_task_before():
     from ddp_notebook.rank import context
 
     ctx = context.current()
-    key = f"ddp_notebook/sharded/{ctx.extra['task'] - 1}/0"
+    key = f"ddp_notebook/sharded/{ctx.task_id - 1}/0"
     names = [f"{key}/{name}" for name in ("arrived", "all", "read", *(f"rank{r}" for r in range(ctx.world_size)))]
-    return [name for name in names if ctx.extra["store"].check([name])]
+    return [name for name in names if ctx.store.check([name])]
 
 
 def test_a_state_dict_and_bare_dtensors_come_back_whole(warm):
@@ -347,7 +347,7 @@ def _a_plain_result_recording_what_follows():
             return getattr(self.store, name)
 
     ctx = context.current()
-    ctx.extra["store"] = Store(ctx.extra["store"])
+    ctx.store = Store(ctx.store)
     return {"in_use": sharded.in_use(), "model": torch.nn.Linear(2, 2), "at the end": calls}
 
 
@@ -514,7 +514,7 @@ def _peak_growth_of_the_gather(width: int) -> tuple[int, int]:
         f.write("5")  # the peak (VmHWM) starts again from now
     at_rest = kib("VmRSS")
     ctx = context.current()
-    store = payload.result_store(ctx.extra["results_file"])
+    store = payload.result_store(ctx.task.results_file)
     whole = sharded.whole_copies(model, "model", ctx.rank, ctx.world_size, allocate=store.new_tensor)
     growth = kib("VmHWM") - at_rest
     full = [p.full_tensor() for p in model.parameters()]  # (a collective: every rank)

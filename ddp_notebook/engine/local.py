@@ -10,6 +10,7 @@ has said who it is (:class:`~ddp_notebook.engine.backend.ChannelRanks`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ..wire import protocol
 from ..wire.channel import ChannelServer
 from . import template as rank_template
 from .backend import ChannelRanks, rank_environment
@@ -84,32 +86,31 @@ class LocalRanks(ChannelRanks):
                     template: "rank_template.Template | None") -> None:
         spec = self.spec
         pass_fds = ()
-        boot = {
-            "rank": rank, "local_rank": rank, "world_size": spec.world_size, "local_world_size": spec.world_size,
-            "address": list(self.channel.address), "key": self.channel.key.hex(),
-            "parent_pid": os.getpid(), "sys_path": [p if p else os.getcwd() for p in sys.path],
+        start = protocol.RankStart(
+            rank=rank, local_rank=rank, world_size=spec.world_size, local_world_size=spec.world_size,
+            address=tuple(self.channel.address), key=self.channel.key.hex(),
+            parent_pid=os.getpid(), sys_path=[p if p else os.getcwd() for p in sys.path],
             # spawn() leaves devices to the user's code, as mp.spawn does: no set_device for it.
-            "gpus": spec.gpus is not None and spec.init_group, "backend": spec.backend, "init_group": spec.init_group,
-            "user_picks_gpu": spec.gpus is not None and not spec.init_group,
-            "master_addr": spec.master_addr, "master_port": self.port, "store_fd": None,
-            "store_file": self._store_file if spec.init_group and spec.port is None else None,
-            "timeout": spec.timeout, "startup_timeout": spec.startup_timeout, "job_dir": self.workdir,
-            "libraries": self._libraries,
-        }
+            gpus=spec.gpus is not None and spec.init_group, backend=spec.backend, init_group=spec.init_group,
+            user_picks_gpu=spec.gpus is not None and not spec.init_group,
+            master_addr=spec.master_addr, master_port=self.port,
+            store_file=self._store_file if spec.init_group and spec.port is None else None,
+            timeout=spec.timeout, startup_timeout=spec.startup_timeout, job_dir=self.workdir,
+            libraries=self._libraries)
         env = rank_environment(spec, self.port, rank, rank, spec.world_size)
         store_fd = store_sock.fileno() if rank == 0 and store_sock is not None else None
-        proc = template.fork(boot, env, os.getcwd(), store_fd) if template is not None else None
+        proc = template.fork(start.to_json(), env, os.getcwd(), store_fd) if template is not None else None
         if proc is None:
             if store_fd is not None:
                 os.set_inheritable(store_fd, True)
                 pass_fds = (store_fd,)
-                boot["store_fd"] = store_fd
+                start = dataclasses.replace(start, store_fd=store_fd)
             proc = subprocess.Popen(
                 rank_template.python_module_command("ddp_notebook.rank.worker"), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=os.getcwd(), start_new_session=True,
                 pass_fds=pass_fds,
             )
-            proc.stdin.write(json.dumps(boot).encode())
+            proc.stdin.write(json.dumps(start.to_json()).encode())
             proc.stdin.close()
         self.procs.append(proc)
         self.pids[rank] = proc.pid

@@ -69,7 +69,7 @@ class BackgroundSave:
         if not self.tell:
             return
         ctx = context.current()
-        task = {"task": ctx.extra["task"]} if ctx is not None and "task" in ctx.extra else {}
+        task = {"task": ctx.task_id} if ctx is not None and ctx.task is not None else {}
         error = f"{type(self.error).__name__}: {self.error}" if self.error is not None else None
         context.send(protocol.SAVING, {**task, "path": self.path, "blocked_s": self.blocked_s,
                                        "written_s": written_s, "error": error})

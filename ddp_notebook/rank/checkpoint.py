@@ -1144,7 +1144,7 @@ def resume(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     loaded = load_checkpoint(path, model, optimizer, loader=loader, restore_rng=restore_rng)
     ctx = context.current()
     if ctx is not None and ctx.rank == 0:
-        task = {"task": ctx.extra["task"]} if "task" in ctx.extra else {}
+        task = {"task": ctx.task_id} if ctx.task is not None else {}
         context.send(protocol.RESUMED, {**task, "epoch": loaded.next_epoch})
     return StartEpoch(loaded.next_epoch, loaded)
 

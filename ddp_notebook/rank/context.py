@@ -6,19 +6,42 @@ the channel to the notebook.  Importing this module costs nothing.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Task:
+    """The task a rank runs now, as its ``RUN`` message said (or an export's ``task`` under torchrun)."""
+
+    id: Any  # the job's task number (an export's: its own)
+    attempt: int | None = None  # 0, then 1, 2, ... after each restart; None: torch elastic's count (attempt())
+    every_rank_runs: bool = True  # False: --ranks picked some of a warm pool's ranks
+    profile: dict | None = None  # --profile's window of steps (rank/profiling.py)
+    results_file: tuple | None = None  # (the notebook's pid, this rank's file descriptor there): big results
 
 
 @dataclass
 class RankContext:
+    """What a rank knows of itself and its job; what the rank side's helpers read."""
+
     rank: int
     local_rank: int
     world_size: int
     local_world_size: int
     device: Any = None  # torch.device, set once torch is imported; None in spawn() on GPUs (the user's code picks)
     sender: Any = None  # channel.Sender to the notebook, None under plain torchrun
-    extra: dict = field(default_factory=dict)
+    store: Any = None  # the job's store, once the process group is made (rank/rendezvous.py meets in it)
+    cpu_group: Any = None  # a gloo group beside an NCCL one: a graceful stop's flag is reduced on the CPU
+    task: Task | None = None  # the task running now
+    stop_state: Any = None  # rank/stopping.py's, for the task running now
+    unreachable: str | None = None  # under torchrun: why this rank could not reach the notebook
+    unreached_why: str | None = None  # ... and why some rank could not (every rank agrees on it)
+
+    @property
+    def task_id(self) -> Any:
+        """The running task's number, or None between tasks and under plain torchrun."""
+        return self.task.id if self.task is not None else None
 
 
 _current: RankContext | None = None
@@ -52,8 +75,8 @@ def attempt() -> int:
     Under torchrun it is the agent's restart count (``TORCHELASTIC_RESTART_COUNT``); 0 outside a job.
     """
     ctx = current()
-    if ctx is not None and "attempt" in ctx.extra:
-        return int(ctx.extra["attempt"])
+    if ctx is not None and ctx.task is not None and ctx.task.attempt is not None:
+        return ctx.task.attempt
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 

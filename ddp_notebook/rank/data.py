@@ -143,7 +143,7 @@ class DistributedLoader(DataLoader):
         """This loader's passes in the running task (a warm pool's loader lives on across cells): the cell's own
         epoch count, and whether the cell set the sampler's epoch itself (then that epoch is the cell's)."""
         ctx = context.current()
-        task = ctx.extra.get("task") if ctx is not None else None
+        task = ctx.task_id if ctx is not None else None
         seen = self.__dict__.get("_task_passes")
         if seen is None or seen["task"] != task:
             seen = self.__dict__["_task_passes"] = {"task": task, "passes": 0, "epoch_set": False}

@@ -157,7 +157,7 @@ def _message(kind: str, body: dict) -> None:
     if _send is None or os.getpid() != _rank_pid:
         return  # no channel, or a child the rank forked: nothing of its may go on the rank's channel
     ctx = context.current()
-    _send(kind, {"task": ctx.extra.get("task", 0) if ctx is not None else 0, **body})
+    _send(kind, {"task": ctx.task_id if ctx is not None and ctx.task is not None else 0, **body})
 
 
 def _label() -> str:

@@ -26,7 +26,7 @@ class Absent(Exception):
 def job_store() -> Any:
     """The job's store (a notebook's ranks), else the process group's own (under torchrun)."""
     ctx = context.current()
-    store = ctx.extra.get("store") if ctx is not None else None
+    store = ctx.store if ctx is not None else None
     if store is None:
         import torch.distributed as dist
 

@@ -230,7 +230,7 @@ def _meeting_key() -> str:
     from . import context
 
     ctx = context.current()
-    task = ctx.extra.get("task", "run") if ctx is not None else "run"
+    task = ctx.task_id if ctx is not None and ctx.task is not None else "run"
     return f"ddp_notebook/sharded/{task}/{context.attempt()}"
 
 

@@ -54,16 +54,15 @@ class _State:
 
 
 def _state(ctx) -> _State | None:
-    task_id = ctx.extra.get("task")
-    state = ctx.extra.get("stop_state")
-    if state is None or state.task_id != task_id:
-        state = ctx.extra["stop_state"] = _State(task_id)
+    state = ctx.stop_state
+    if state is None or state.task_id != ctx.task_id:
+        state = ctx.stop_state = _State(ctx.task_id)
     return state
 
 
 def _group(ctx):
     """Where the flag is reduced: a CPU (gloo) group, also under nccl (made once at start-up)."""
-    return ctx.extra.get("cpu_group")
+    return ctx.cpu_group
 
 
 def announce() -> None:
@@ -115,8 +114,8 @@ def stopped_at() -> dict | None:
     ctx = context.current()
     if ctx is None:
         return None
-    state = ctx.extra.get("stop_state")
-    return state.where if state is not None and state.task_id == ctx.extra.get("task") and state.agreed else None
+    state = ctx.stop_state
+    return state.where if state is not None and state.task_id == ctx.task_id and state.agreed else None
 
 
 def check_not_stopped() -> None:

@@ -68,11 +68,11 @@ def _fork_rank(sock: socket.socket, request: dict, fds: dict[str, int], statuses
         os.environ.clear()
         os.environ.update(request["env"])
         _set_title(f"{sys.executable} {RANK_TITLE}")
-        boot = request["boot"]
-        if "store" in fds:
-            boot["store_fd"] = fds.pop("store")
+        from ..wire import protocol
         from . import worker
 
+        boot = protocol.RankStart.from_json({**request["boot"], **({"store_fd": fds.pop("store")} if "store" in fds
+                                                                   else {})})
         sys.argv[:] = [worker.__file__]  # as ``python -m ddp_notebook.rank.worker`` has it
         worker.forked_main(boot, fds.pop("lifeline"))
     except BaseException:  # noqa: BLE001

@@ -129,7 +129,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
         if files_if_unreachable:
             unreached = _unreached(ctx, sender is not None)
             if unreached:  # every rank reports through the files, so that one way holds the whole run
-                _leave_notebook(sender, finished, unreached, ctx.extra.get("unreached_why"), run_dir)
+                _leave_notebook(sender, finished, unreached, ctx.unreached_why, run_dir)
                 sender = finished = notebook = None
         if notebook is None:
             log = NodeLog(ctx, run_dir, keep_results=run.get("results_to_files", False), key=key)
@@ -142,7 +142,7 @@ def _run(ctx: context.RankContext, run: dict, here: str, run_dir: str) -> int:
             sender.flush()
         return 1
     if sender is not None:
-        ctx.extra["task"] = notebook["task"]
+        ctx.task = context.Task(notebook["task"])
         debugging.install(sender.send_now, answers.get)  # input() and pdb ask in the notebook
     elif run.get("notebook") is not None:
         debugging.install(None, None)  # reporting through files: a prompt fails saying so
@@ -213,7 +213,7 @@ def _connect_notebook(ctx: context.RankContext, notebook: dict, quiet: bool = Fa
         conn = channel.connect((host, port), bytes.fromhex(notebook["key"]), notebook.get("connect_timeout"))
     except Exception as exc:  # refused, unreachable, or a key that is not this job's
         if quiet:
-            ctx.extra["unreachable"] = f"{type(exc).__name__}: {exc}"
+            ctx.unreachable = f"{type(exc).__name__}: {exc}"
             return None
         print(f"ddp_notebook: rank {ctx.rank} cannot reach the notebook that runs node 0 of this job at "
               f"{host}:{port} ({type(exc).__name__}: {exc}). This export belongs to that notebook's run of the "
@@ -252,8 +252,8 @@ def _notebook_gone(ctx: context.RankContext, notebook: dict, here: str) -> bool:
 
 def _unreached(ctx: context.RankContext, reached: bool) -> list[int]:
     """The ranks that could not reach the notebook (every rank learns all of them)."""
-    everyone = _all_gather_json(ctx, {"reached": reached, "why": ctx.extra.get("unreachable")})
-    ctx.extra["unreached_why"] = next((e["why"] for e in everyone if not e["reached"]), None)
+    everyone = _all_gather_json(ctx, {"reached": reached, "why": ctx.unreachable})
+    ctx.unreached_why = next((e["why"] for e in everyone if not e["reached"]), None)
     return [rank for rank, e in enumerate(everyone) if not e["reached"]]
 
 

@@ -172,43 +172,43 @@ def join_group(ctx: context.RankContext, backend: str, timeout: float | None, st
     dist.init_process_group(backend, **kwargs)
 
 
-def _init_process_group(boot: dict, ctx: context.RankContext) -> None:
+def _init_process_group(boot: protocol.RankStart, ctx: context.RankContext) -> None:
     import datetime
 
     import torch.distributed as dist
 
-    if boot.get("user_picks_gpu"):
+    if boot.user_picks_gpu:
         # spawn() on GPUs: as under mp.spawn, the user's code picks its GPU; the rank's device is not known (not
         # "cpu"), so checkpoint loads follow torch.cuda.current_device() once the user's code has set it.
         ctx.device = None
         sharing.set_rank_device(None)
     else:
-        set_device(ctx, boot["gpus"])
-    if not boot["init_group"]:
+        set_device(ctx, boot.gpus)
+    if not boot.init_group:
         return
-    startup = datetime.timedelta(seconds=boot["startup_timeout"])
-    if boot.get("store_file"):  # in the job's 0700 folder: no other user can reach it (a TCPStore, any local user)
-        store = dist.FileStore(boot["store_file"], ctx.world_size)
+    startup = datetime.timedelta(seconds=boot.startup_timeout)
+    if boot.store_file:  # in the job's 0700 folder: no other user can reach it (a TCPStore, any local user)
+        store = dist.FileStore(boot.store_file, ctx.world_size)
         store.set_timeout(startup)
     else:
         extra = {}
-        if boot.get("store_fd") is not None:
-            extra["master_listen_fd"] = boot["store_fd"]
+        if boot.store_fd is not None:
+            extra["master_listen_fd"] = boot.store_fd
         store = dist.TCPStore(
-            boot["master_addr"], boot["master_port"], ctx.world_size, ctx.rank == 0,
+            boot.master_addr, boot.master_port, ctx.world_size, ctx.rank == 0,
             timeout=startup, wait_for_workers=False, **extra,
         )
-    join_group(ctx, boot["backend"], boot.get("timeout"), store)
-    ctx.extra["store"] = store
-    if boot["backend"] != "gloo":  # a graceful stop's flag is reduced on the CPU
-        ctx.extra["cpu_group"] = dist.new_group(backend="gloo")
+    join_group(ctx, boot.backend, boot.timeout, store)
+    ctx.store = store
+    if boot.backend != "gloo":  # a graceful stop's flag is reduced on the CPU
+        ctx.cpu_group = dist.new_group(backend="gloo")
 
 
 def _sync(ctx, sender, body: dict, namespace: dict) -> None:
     """After an interrupt: meet every other rank at a barrier kept in the TCPStore (a broken process group cannot
     hang it), check that the process group itself is in step (:func:`_check_group`), then that the DDP replicas
     are (``replicas.reconcile``: made rank 0's where they differ)."""
-    store = ctx.extra.get("store")
+    store = ctx.store
     timeout = body.get("timeout", 5.0)
     stage = "store"
     try:
@@ -223,7 +223,7 @@ def _sync(ctx, sender, body: dict, namespace: dict) -> None:
         _check_group(ctx, body["task"], body.get("check_timeout", timeout))
         sender.send_now(protocol.SYNCED, {"task": body["task"], "stage": "group"})
         stage = "replicas"
-        checked = replicas.reconcile(namespace, group=ctx.extra.get("cpu_group"))
+        checked = replicas.reconcile(namespace, group=ctx.cpu_group)
         sender.send(protocol.SYNCED, {"task": body["task"], "stage": "replicas", "replicas": checked})
     except Exception as exc:  # noqa: BLE001
         sender.send(protocol.FAILED, {**failure_report(exc, {}, kind="comm"), "task": body["task"], "stage": stage})
@@ -343,8 +343,8 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         timing.reset()
         if seed is not None:
             _seed_everything(seed)
-        if ctx.extra.get("profile"):
-            profiling.start(ctx.extra["profile"], cuda=getattr(ctx.device, "type", None) == "cuda")
+        if ctx.task.profile:
+            profiling.start(ctx.task.profile, cuda=getattr(ctx.device, "type", None) == "cuda")
         value = task.run(ctx, namespace)
         metrics.hurry()
         background_saves.finish()  # checkpoints still being written are on disk before the task's end is told
@@ -353,10 +353,10 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
             interruptible.clear()
         if sender is not None:
             # Every rank that returns a sharded value joins its gather, sent or not (a cell's are rank 0's).
-            store = payload.result_store(ctx.extra.get("results_file"))
+            store = payload.result_store(ctx.task.results_file)
             whole = sharded.whole_copies(value.values if isinstance(value, payload.CellResult) else value,
                                          "" if isinstance(value, payload.CellResult) else "the return value",
-                                         ctx.rank, ctx.world_size, ctx.extra.get("every_rank_runs", True),
+                                         ctx.rank, ctx.world_size, ctx.task.every_rank_runs,
                                          allocate=store.new_tensor if store is not None else None)
             sent = task.sent_by(ctx.rank, value)
             stopped = stopping.stopped_at()
@@ -400,10 +400,10 @@ def _finish_background_saves_after_a_failure() -> None:
 def main() -> None:
     """A rank started as ``python -m ddp_notebook.rank.worker``: its bootstrap on stdin, the notebook its parent."""
     faulthandler.enable()  # a crashing rank shows where it crashed
-    boot = json.loads(sys.stdin.read())
+    boot = protocol.RankStart.from_json(json.loads(sys.stdin.read()))
     sys.stdin.close()
     parent = os.getppid()
-    if parent != boot["parent_pid"]:
+    if parent != boot.parent_pid:
         _die_with_group()
     threading.Thread(target=_watch_parent, args=(parent,), name="ddp-parent-watch", daemon=True).start()
     serve(boot)
@@ -418,7 +418,7 @@ def _watch_lifeline(fd: int) -> None:
     _die_with_group()  # end of stream: the notebook, the only holder of the other end, is gone
 
 
-def forked_main(boot: dict, lifeline: int) -> None:
+def forked_main(boot: protocol.RankStart, lifeline: int) -> None:
     """A rank forked from the rank template, its environment and directory already its own.
 
     What a fresh interpreter does by itself is done here: fresh random state
@@ -457,28 +457,28 @@ class NotebookLibraries(importlib.abc.MetaPathFinder):
             name, file, submodule_search_locations=[os.path.dirname(file)] if package else None)
 
 
-def serve(boot: dict) -> None:
+def serve(boot: protocol.RankStart) -> None:
     """Connect to the notebook, join the process group, run tasks until told to exit; never returns."""
     debugging.install(None, None)  # input() in a cell says why it cannot work, not "I/O operation on closed file"
     streams.keep_in_order()
     import torch.distributed  # noqa: F401  the rank's own imports, from where the notebook's came: never from the
     #                           working folder, which the notebook's sys.path (applied next) may hold
-    sys.path[:] = boot["sys_path"]
-    if boot.get("libraries"):
-        sys.meta_path.insert(0, NotebookLibraries(boot["libraries"]))
+    sys.path[:] = boot.sys_path
+    if boot.libraries:
+        sys.meta_path.insert(0, NotebookLibraries(boot.libraries))
     global _job_dir
-    _job_dir = boot.get("job_dir")
+    _job_dir = boot.job_dir
     if _job_dir:  # job.stacks(): every thread's Python stack on SIGUSR1, even while blocked in C code
-        stacks = os.fdopen(os.open(protocol.stacks_path(_job_dir, boot["rank"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+        stacks = os.fdopen(os.open(protocol.stacks_path(_job_dir, boot.rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                                    0o600), "a")  # private, whatever the umask of the process it was forked from
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-        collectives.install(_job_dir, boot["rank"])  # job.why(): the collectives it called, read on request
+        collectives.install(_job_dir, boot.rank)  # job.why(): the collectives it called, read on request
 
-    conn = channel.connect(tuple(boot["address"]), bytes.fromhex(boot["key"]), boot.get("startup_timeout"))
+    conn = channel.connect(boot.address, bytes.fromhex(boot.key), boot.startup_timeout)
     sender = channel.Sender(conn)
     ctx = context.RankContext(
-        rank=boot["rank"], local_rank=boot["local_rank"], world_size=boot["world_size"],
-        local_world_size=boot["local_world_size"], sender=sender,
+        rank=boot.rank, local_rank=boot.local_rank, world_size=boot.world_size,
+        local_world_size=boot.local_world_size, sender=sender,
     )
     context.set_current(ctx)
     display.install()
@@ -520,13 +520,12 @@ def serve(boot: dict) -> None:
             continue
         if kind != protocol.RUN:
             continue
-        ctx.extra["attempt"] = int(body.get("attempt", 0))
-        ctx.extra["task"] = body["task"]
-        ctx.extra["every_rank_runs"] = body.get("every_rank", True)
-        ctx.extra["profile"] = body.get("profile")  # --profile (rank/profiling.py)
         results_files = body.get("results_files")  # (the notebook's pid, and a file of each rank's)
-        ctx.extra["results_file"] = (results_files[0], results_files[1][ctx.rank]) \
-            if results_files and ctx.rank in results_files[1] else None
+        ctx.task = context.Task(
+            body["task"], attempt=int(body.get("attempt", 0)), every_rank_runs=body.get("every_rank", True),
+            profile=body.get("profile"),  # --profile (rank/profiling.py)
+            results_file=(results_files[0], results_files[1][ctx.rank])
+            if results_files and ctx.rank in results_files[1] else None)
         load = (lambda: payload.loads(body["data"])) if "data" in body else (lambda: payload.load(body["path"]))
         run_task(ctx, sender, body["task"], load, body.get("seed"), namespace, interruptible)
 

@@ -12,6 +12,7 @@ import hmac
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # The notebook to a rank
@@ -191,3 +192,37 @@ def format_record(record: dict, suffix: str = "") -> str:
         parts.append(f"(partial: {record['partial']})")
     line = "  ".join(parts)
     return f"{line}  {suffix}" if suffix else line
+
+
+@dataclass(frozen=True)
+class RankStart:
+    """What a rank of this host is started with (``engine/local.py`` → ``rank/worker.py``): as JSON on a fresh rank's
+    stdin, or in the rank template's fork request.  Its environment carries the torchrun contract besides."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    address: tuple  # the notebook's channel: (host, port)
+    key: str  # the channel's key, hex
+    parent_pid: int  # the notebook's process: a fresh rank whose parent is another refuses to start
+    sys_path: list  # the notebook's, with "" as its working folder
+    gpus: bool  # the rank sets its CUDA device (its local rank's)
+    backend: str
+    init_group: bool  # False: spawn(), the user's code makes the process group
+    user_picks_gpu: bool  # spawn() on GPUs: the user's code picks its GPU, as under mp.spawn
+    master_addr: str
+    master_port: int | None
+    timeout: float | None  # per collective (--timeout)
+    startup_timeout: float
+    job_dir: str | None  # the job's 0700 folder: stacks, Flight Recorder requests
+    libraries: dict | None  # the notebook's libraries found where the rank would not find them (rank/worker.py)
+    store_file: str | None = None  # the FileStore the ranks meet in, in the job's folder (else a TCPStore)
+    store_fd: int | None = None  # rank 0 of a TCPStore: the listening socket the notebook bound for it
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RankStart":
+        return cls(**{**data, "address": tuple(data["address"])})

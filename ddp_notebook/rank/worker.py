@@ -334,6 +334,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
     """
     task = None
     failure = None
+    running = ctx.task or context.Task(task_id)  # (an export under torchrun without a notebook: no RUN said more)
     debugging.keep_failure(None, None)  # (the last task's frames go)
     try:
         if interruptible is not None:
@@ -343,8 +344,8 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         timing.reset()
         if seed is not None:
             _seed_everything(seed)
-        if ctx.task.profile:
-            profiling.start(ctx.task.profile, cuda=getattr(ctx.device, "type", None) == "cuda")
+        if running.profile:
+            profiling.start(running.profile, cuda=getattr(ctx.device, "type", None) == "cuda")
         value = task.run(ctx, namespace)
         metrics.hurry()
         background_saves.finish()  # checkpoints still being written are on disk before the task's end is told
@@ -353,10 +354,10 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
             interruptible.clear()
         if sender is not None:
             # Every rank that returns a sharded value joins its gather, sent or not (a cell's are rank 0's).
-            store = payload.result_store(ctx.task.results_file)
+            store = payload.result_store(running.results_file)
             whole = sharded.whole_copies(value.values if isinstance(value, payload.CellResult) else value,
                                          "" if isinstance(value, payload.CellResult) else "the return value",
-                                         ctx.rank, ctx.world_size, ctx.task.every_rank_runs,
+                                         ctx.rank, ctx.world_size, running.every_rank_runs,
                                          allocate=store.new_tensor if store is not None else None)
             sent = task.sent_by(ctx.rank, value)
             stopped = stopping.stopped_at()

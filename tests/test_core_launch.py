@@ -210,7 +210,7 @@ def _seed_style_train(rank, world_size, scale):
 def _spawned_device(rank):
     from ddp_notebook.rank import checkpoint, context
 
-    return rank, os.environ.get("CUDA_VISIBLE_DEVICES"), context.current().device, str(checkpoint._rank_device())
+    return rank, os.environ.get("CUDA_VISIBLE_DEVICES"), context.current().device, str(checkpoint.rank_device())
 
 
 def test_spawn_on_gpus_leaves_the_device_to_the_user_s_code_not_cpu(no_leftovers, monkeypatch):

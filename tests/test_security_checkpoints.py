@@ -19,7 +19,7 @@ import torch
 
 import ddp_notebook
 from ddp_notebook.rank import checkpoint
-from ddp_notebook.rank.checkpoint_reader import UnsafeCheckpointError
+from ddp_notebook.rank.checkpoint.reader import UnsafeCheckpointError
 from test_security_files import User, other_user, run_as  # noqa: F401 - other_user is a fixture
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,0 +1,79 @@
+"""Atomic files: written new (``O_EXCL``, never through a link), fsynced, renamed into place."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from ...wire import safe_files
+from .format import PAUSE_BEFORE_RENAME_ENV
+
+
+def pause_before_rename(temp: str, path: str) -> None:
+    signal_file = os.environ.get(PAUSE_BEFORE_RENAME_ENV)
+    if not signal_file:
+        return
+    size = os.path.getsize(temp)
+    note = json.dumps({"pid": os.getpid(), "temp": temp, "path": path, "size": size})
+    with open(signal_file + ".part", "w") as f:
+        f.write(note)
+    os.replace(signal_file + ".part", signal_file)
+    deadline = time.monotonic() + 120
+    while os.path.exists(signal_file) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the test kills us here, or removes the file to let the rename happen
+
+
+def atomic_save(obj: Any, path: str, file_mode: int, test_hook: bool = False) -> None:
+    """Write to a new temporary file (``O_EXCL``, a random name: never through a link another user planted),
+    flush, fsync, then rename over ``path``: readers see old or new, never half.  The file gets ``file_mode``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with safe_files.replace_atomically(path, file_mode,
+                                           (lambda temp: pause_before_rename(temp, path)) if test_hook else None) as f:
+            torch.save(obj, f)
+    except Exception as exc:
+        full = _full_filesystem(exc, obj, path)
+        if full is not None:
+            raise full from exc
+        raise
+
+
+class _SizeCounter:
+    """A file that only counts what is written to it."""
+
+    size = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _full_filesystem(exc: Exception, obj: Any, path: str) -> OSError | None:
+    """A clear ENOSPC error when a save failed for want of space; torch's own says ``unexpected pos``."""
+    no_space = getattr(exc, "errno", None) == errno.ENOSPC
+    if isinstance(exc, OSError) and not no_space:
+        return None  # (permissions and the like: their own message is clear)
+    try:
+        counter = _SizeCounter()
+        torch.save(obj, counter)
+        stats = os.statvfs(os.path.dirname(path))
+    except Exception:
+        return None
+    free = stats.f_bavail * stats.f_frsize  # measured after the partial file was removed
+    if not no_space and counter.size <= free:
+        return None
+    return OSError(errno.ENOSPC, f"the filesystem of {path} is full: the checkpoint needs "
+                                 f"{_size_text(counter.size)}, {_size_text(free)} are free there (the previous "
+                                 f"file, if any, is left as it was)")
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"

@@ -15,7 +15,7 @@ from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, JobOptions, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay, RankLogs
-from .engine.spec import JobSpec, check_options, resolve_devices
+from .engine.spec import JobSpec, check_options, check_together, resolve_devices
 from .notebook import profile_view, prompting
 from .wire import payload
 from .wire.errors import LaunchError, Stopped
@@ -66,11 +66,8 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     """
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
-    if detach and executor is None:
-        raise LaunchError("detach=True leaves a Slurm job running on its own: it goes with executor=")
-    if debug and (executor is not None or nnodes > 1):
-        raise LaunchError("debug=True keeps a failing rank of this host for the debugger; the ranks of a job on "
-                          "several hosts or of a Slurm job end with their task")
+    check_together(debug=debug, detach=detach, executor=executor, nnodes=nnodes,
+                   flag=lambda name: f"{name}=True" if name in ("debug", "detach") else f"{name}=")
     profile = profiling.checked(profile, nnodes=nnodes, executor=executor, detach=detach)
     warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,

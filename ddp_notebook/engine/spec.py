@@ -279,6 +279,18 @@ def check_options(port: Any = None, seed: Any = None, timeout: Any = None, start
             raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
 
 
+def check_together(*, debug: bool, detach: bool, executor: Any, nnodes: int, flag: Callable[[str], str]) -> None:
+    """Refuse options that do not go together, before anything starts; the one rule for ``%%ddp`` and
+    ``launch()``, in each one's words: ``flag(name)`` spells an option as its caller does ("--debug" for the magic,
+    "debug=True" for ``launch()``)."""
+    if detach and executor is None:
+        raise LaunchError(f"{flag('detach')} leaves a Slurm job running on its own: it goes with {flag('executor')}")
+    if debug and (executor is not None or nnodes > 1):
+        raise LaunchError(f"{flag('debug')} keeps a failing rank of this host for %ddp_debug; the ranks of a job on "
+                          f"several hosts ({flag('nnodes')}) or of a Slurm job ({flag('executor')}) end with their "
+                          f"task")
+
+
 def bind_port(addr: str, port: int | None) -> socket.socket:
     """A listening socket for rank 0's TCPStore: the port is never free for anyone else to take."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

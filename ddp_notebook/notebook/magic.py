@@ -553,17 +553,14 @@ def _executor(shell, name: str | None):
 
 def _check_node_flags(args, export_only: bool) -> None:
     """Refuse flags that do not go together with --export, --nnodes, --executor or --detach."""
-    if args.debug and (args.executor is not None or args.nnodes > 1):
-        raise LaunchError("--debug keeps a failing rank of this host for %ddp_debug; the ranks of a job on several "
-                          "hosts (--nnodes) or of a Slurm job (--executor) end with their task")
+    job_spec.check_together(debug=args.debug, detach=args.detach, executor=args.executor, nnodes=args.nnodes,
+                            flag=lambda name: "--" + name)
     if args.executor is not None:
         clash = [flag for flag, given in (("--export", args.export), ("--ranks", args.ranks),
                                           ("--run-dir", args.run_dir)) if given]
         if clash:
             raise LaunchError(f"--executor runs the cell as a Slurm job; {', '.join(clash)} do not go with it")
     if args.detach:
-        if args.executor is None:
-            raise LaunchError("--detach leaves a Slurm job running on its own: it goes with --executor")
         clash = [flag for flag, given in (("--return", args.returns), ("--background", args.background),
                                           ("--callback", args.callbacks), ("--tensorboard", args.tensorboard))
                  if given]

@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from ddp_notebook.notebook.magic import DDPMagics, parse_flags, undefined_names
+from ddp_notebook.notebook.cell_reading import undefined_names
+from ddp_notebook.notebook.magic import DDPMagics, parse_flags
 from nbrun import error, run_cell, run_cells, text
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,6 +9,7 @@ import pytest
 
 from nbrun import error, gone, kernel, run_cells, run_until_pids, text
 from ddp_notebook.engine import pool
+from ddp_notebook.notebook import cell_reading
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,12 +17,12 @@ pytestmark = pytest.mark.timeout(300)
 def test_pool_unit_helpers():
     import torch
 
-    assert pool.names_assigned("import numpy as np, os.path\nx, (y, z) = 1, (2, 3)\nfor i in range(2): pass\n"
+    assert cell_reading.names_assigned("import numpy as np, os.path\nx, (y, z) = 1, (2, 3)\nfor i in range(2): pass\n"
                                "def f(a):\n    b = 1\nclass C: pass\nwith open('f') as fh: pass") == \
         {"np", "os", "x", "y", "z", "i", "f", "C", "fh"}
-    assert pool.collective_calls("import torch.distributed as dist\ndist.all_reduce(t)\nm = DDP(net)\nprint(t)") \
+    assert cell_reading.collective_calls("import torch.distributed as dist\ndist.all_reduce(t)\nm = DDP(net)\nprint(t)") \
         == ["DDP", "all_reduce"]
-    assert pool.collective_calls("print(t.sum())") == []
+    assert cell_reading.collective_calls("print(t.sum())") == []
     big = torch.zeros(100_000)
     before = pool.fingerprint(big)
     assert pool.fingerprint(big) == before

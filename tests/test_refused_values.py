@@ -17,6 +17,7 @@ import ddp_notebook
 from ddp_notebook import LaunchError
 from ddp_notebook.engine import pool
 from ddp_notebook.engine.local import LocalRanks
+from ddp_notebook.notebook import cell_reading
 from ddp_notebook.wire import payload
 from nbrun import error, run_cells, text
 
@@ -163,7 +164,7 @@ def test_a_name_the_cell_binds_before_reading_it_is_not_sent(cell, shipped):
     import contextlib
 
     with open(os.devnull, "a+") as log:
-        assert set(payload.select_names(cell, {"log": log, "contextlib": contextlib})[0]) == shipped
+        assert set(cell_reading.select_names(cell, {"log": log, "contextlib": contextlib})[0]) == shipped
 
 
 IDENTIFIERS = st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(lambda name: not keyword.iskeyword(name))

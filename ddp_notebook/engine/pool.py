@@ -10,9 +10,7 @@ are not, it restarts them and says that their state is gone.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
 import hashlib
 import io
 import pickle
@@ -33,12 +31,6 @@ from .local import LocalRanks
 
 _current: "Pool | None" = None
 
-COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-    "all_reduce_metrics", "DistributedDataParallel", "DDP",
-}
 _INTERRUPT_WAIT_S = 3.0
 _SYNC_TIMEOUT_S = 5.0  # every rank back at the store
 _CHECK_TIMEOUT_S = 5.0  # the process group's check after it (rank.worker._check_group)
@@ -88,41 +80,6 @@ def fingerprint(value: Any) -> str | None:
     except Exception:
         return None
     return hashlib.blake2b(buffer.getvalue(), digest_size=16).hexdigest()
-
-
-@functools.lru_cache(maxsize=16)
-def names_assigned(code: str) -> frozenset[str]:
-    """Names a cell binds at its top level (assignments, imports, defs, classes, loop targets)."""
-    assigned: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            assigned.add(node.name)
-            return
-        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-            return
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            assigned.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                assigned.add((alias.asname or alias.name).split(".")[0])
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(payload.parsed(code))
-    return frozenset(assigned)
-
-
-def collective_calls(code: str) -> list[str]:
-    """Obvious collective calls in the code (``dist.all_reduce(...)``, ``DDP(...)``, ...)."""
-    found = []
-    for node in ast.walk(payload.parsed(code)):
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-            if name in COLLECTIVES:
-                found.append(name)
-    return sorted(set(found))
 
 
 class Pool:
@@ -278,12 +235,13 @@ class Pool:
         finally:
             self.busy = None
 
-    def cell_done(self, job: Job, shipped: dict[str, Any], code: str, user_ns: dict,
+    def cell_done(self, job: Job, shipped: dict[str, Any], assigned: frozenset[str], user_ns: dict,
                   returned: dict[str, Any] | None = None, sources_version: int | None = None) -> None:
         """After a cell: remember what the ranks hold now.
 
-        Names the ranks bound (or sent back with ``--return``) are theirs: the
-        notebook's value of the same name is shipped again only once it changes.
+        Names the ranks bound (``assigned``: what the cell binds at its top level, as the notebook side read it;
+        or sent back with ``--return``) are theirs: the notebook's value of the same name is shipped again only
+        once it changes.
         The cell sources sent are installed on the ranks that ran the cell through (after a failure, they are
         sent again: the task may have failed before it installed them).
         """
@@ -295,13 +253,13 @@ class Pool:
                 self._sources_version[rank] = max(self._sources_version[rank], sources_version)
         if job.results is None:  # what the failed cell bound, or was sent, may be missing or half-made
             for rank in job.targets:
-                for name in names_assigned(code) | set(shipped):
+                for name in assigned | set(shipped):
                     self._held[rank].pop(name, None)
             return
         marks = {name: fingerprint(value) for name, value in shipped.items()}
         returned = returned or {}
         bound = {name: fingerprint(returned[name] if name in returned else user_ns[name])
-                 for name in names_assigned(code) | set(returned) if name in user_ns or name in returned}
+                 for name in assigned | set(returned) if name in user_ns or name in returned}
         for rank in job.targets:
             self._held[rank].update({n: m for n, m in marks.items() if m is not None})
             self._held[rank].update({n: m for n, m in bound.items() if m is not None})

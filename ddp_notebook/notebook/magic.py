@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import builtins
 import functools
 import linecache
@@ -26,7 +25,7 @@ from ..engine import spec as job_spec
 from ..engine import template as rank_template
 from ..wire import payload
 from ..wire.errors import JobStopped, LaunchError, RankError, Stopped
-from . import dashboard, profile_view, prompting
+from . import cell_reading, dashboard, profile_view, prompting
 
 
 def parse_flags(magic, line: str):
@@ -52,101 +51,7 @@ def _parsed_flags(magic, line: str):
     return tuple(vars(magic.parser.parse_args(tokens)).items())
 
 
-# A cell that calls these can bind names no reading of its code sees.
-_DYNAMIC_NAMES = {"exec", "eval", "globals", "locals", "vars"}
-_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-
-
-def _cell_level_definitions(node: ast.AST):
-    """The functions and classes a cell defines outside any function or class (``if``/``for``/... included)."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, _DEFINITIONS):
-            yield child
-        elif not isinstance(child, ast.expr):
-            yield from _cell_level_definitions(child)
-
-
-def scan_names(code: str) -> tuple[set[str] | None, dict[str, int]]:
-    """What the cell binds, in any scope (None when no reading can tell: ``import *``, ``exec``, ``globals()``),
-    and the names it reads with the cell line of their first use.
-
-    Not counted as reads: annotations, which may never be evaluated, and the bodies of functions and
-    classes the cell defines but never refers to, which may be meant for later cells.
-    """
-    bound, reads = _scan_names(code)
-    return (None if bound is None else set(bound)), dict(reads)
-
-
-@functools.lru_cache(maxsize=16)
-def _scan_names(code: str) -> tuple[frozenset[str] | None, dict[str, int]]:
-    tree = payload.parsed(code)
-    bound: set[str] | None = set()
-    loads: list[ast.Name] = []
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            loads.append(node)
-        elif isinstance(node, ast.Name):
-            bound.add(node.id)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, _DEFINITIONS):
-            bound.add(node.name)
-            if getattr(node, "returns", None) is not None:
-                skip.add(id(node.returns))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            bound.update(node.names)
-        elif not isinstance(node, ast.alias):  # except-as, match captures, type parameters
-            name = getattr(node, "name", None) or getattr(node, "rest", None)
-            if isinstance(name, str):
-                bound.add(name)
-        annotation = getattr(node, "annotation", None)
-        if annotation is not None:
-            skip.add(id(annotation))
-    if "*" in bound or any(n.id in _DYNAMIC_NAMES for n in loads):
-        bound = None
-    for definition in _cell_level_definitions(tree):
-        inside = {id(n) for n in ast.walk(definition)}
-        if not definition.decorator_list and not any(n.id == definition.name and id(n) not in inside
-                                                     for n in loads):
-            skip.update(id(statement) for statement in definition.body)
-    reads: dict[str, int] = {}
-    stack: list[ast.AST] = [tree]
-    while stack:
-        node = stack.pop()
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            reads[node.id] = min(node.lineno, reads.get(node.id, node.lineno))
-        stack.extend(ast.iter_child_nodes(node))
-    return (None if bound is None else frozenset(bound)), reads
-
-
-def undefined_names(code: str, defined) -> dict[str, int]:
-    """The names the cell reads that nothing defines (name: cell line of first use).
-
-    Defined: what the cell binds anywhere in it, ``defined`` (the notebook's names), the rank's names,
-    builtins and dunder names.  Empty when the cell binds names dynamically (see :func:`scan_names`).
-    """
-    bound, reads = scan_names(code)
-    if bound is None:
-        return {}
-    return {name: line for name, line in sorted(reads.items(), key=lambda item: item[1])
-            if name not in bound and name not in defined and name not in payload.RANK_NAMES
-            and not hasattr(builtins, name) and not (name.startswith("__") and name.endswith("__"))}
-
-
 _told_shadowed: set[str] = set()  # rank names whose shadowing the user was warned of
-
-
-def _first_use(code: str, name: str) -> int:
-    """The cell line where ``name`` first appears (1 when it does not as such)."""
-    lines = [node.lineno for node in ast.walk(payload.parsed(code))
-             if isinstance(node, ast.Name) and node.id == name
-             or isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names]
-    return min(lines, default=1)
 
 
 def _refuse_undefined(cell: str, user_ns: dict, warm, export_only: bool) -> None:
@@ -154,7 +59,7 @@ def _refuse_undefined(cell: str, user_ns: dict, warm, export_only: bool) -> None
     held = set() if warm is None else warm.rank_names
     if held is None:
         return
-    missing = {name: line for name, line in undefined_names(cell, user_ns).items() if name not in held}
+    missing = {name: line for name, line in cell_reading.undefined_names(cell, user_ns).items() if name not in held}
     if missing:
         where = ", ".join(f"{name} (line {line + 1})" for name, line in missing.items())
         pool = ", the warm pool's ranks" if warm is not None else ""
@@ -163,11 +68,11 @@ def _refuse_undefined(cell: str, user_ns: dict, warm, export_only: bool) -> None
                           f"{'Nothing was exported' if export_only else 'No rank was started'}.")
 
 
-def _refuse_unassigned_returns(cell: str, returns: list[str], names, warm) -> None:
+def _refuse_unassigned_returns(reading: cell_reading.CellReading, returns: list[str], names, warm) -> None:
     """Refuse a ``--return`` name that no rank can hold when the cell ends: the cell binds it nowhere (no
     assignment, import, def, class, for or with target, :=, global, ... in any scope), does not read it from the
     notebook, and it is not a rank's own name nor one a warm pool's ranks hold from earlier cells."""
-    bound = scan_names(cell)[0]
+    bound = reading.bound
     held = set() if warm is None else warm.rank_names
     if not returns or bound is None or held is None:  # (None: no reading of the code can tell)
         return
@@ -291,20 +196,21 @@ class DDPMagics(Magics):
                                    nnodes=args.nnodes)
             if not args.grace > 0:
                 raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
-            payload.check_syntax(cell, 1, label)
+            cell_reading.check_syntax(cell, 1, label)
+            reading = cell_reading.read(cell)
             _check_node_flags(args, export_only)
             profile = profiling.checked(args.profile, nnodes=args.nnodes, executor=executor, detach=args.detach,
                                         export_only=export_only)
-            targets = _parse_ranks(args.ranks, warm, cell, returns)
+            targets = _parse_ranks(args.ranks, warm, reading, returns)
             if warm is not None:
                 warm.refuse_job_options(port=args.port, timeout=args.timeout, backend=args.backend)
-            names, shadowed = payload.select_names(cell, shell.user_ns)
+            names, shadowed = cell_reading.select_names(cell, shell.user_ns)
             for name in sorted(set(shadowed) - _told_shadowed):  # once per name, at the cell's line
                 _told_shadowed.add(name)
                 warnings.warn_explicit(f"in %%ddp cells {name!r} is the rank's own; the notebook's {name!r} is "
-                                       f"not used", UserWarning, label, _first_use(cell, name) + 1)
+                                       f"not used", UserWarning, label, cell_reading.first_use(cell, name) + 1)
             _refuse_undefined(cell, shell.user_ns, warm, export_only)
-            _refuse_unassigned_returns(cell, returns, names, warm)
+            _refuse_unassigned_returns(reading, returns, names, warm)
             output_ranks = {0} if args.output == "0" else None
             spec = None if export_only else api.plan(  # (an export: the devices are torchrun's to give)
                 warm, gpus=args.gpus, cpus=args.cpus, backend=args.backend, port=args.port, seed=args.seed,
@@ -352,10 +258,11 @@ class DDPMagics(Magics):
 
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
             if warm is not None:
-                bound = scan_names(cell)[0]  # a failed cell may have bound names too
+                bound = reading.bound  # a failed cell may have bound names too
                 warm.hold_names(None if bound is None else bound | set(names))
-                warm.cell_done(job, names, cell, shell.user_ns, job.results[0].values if job.results and returns
-                               else None, sources_version=sources_version)
+                warm.cell_done(job, names, reading.assigned, shell.user_ns,
+                               job.results[0].values if job.results and returns else None,
+                               sources_version=sources_version)
 
         if args.background:
             return _start_in_background(shell, job, returns, cell_log, settle)
@@ -597,7 +504,7 @@ def _gpu_count(gpus: str | None) -> int | None:
     return request if isinstance(request, int) else len(request)
 
 
-def _parse_ranks(text: str | None, warm, cell: str, returns: list[str]) -> list[int] | None:
+def _parse_ranks(text: str | None, warm, reading: cell_reading.CellReading, returns: list[str]) -> list[int] | None:
     if text is None:
         return None
     if warm is None:
@@ -611,7 +518,7 @@ def _parse_ranks(text: str | None, warm, cell: str, returns: list[str]) -> list[
     if returns and 0 not in targets:
         raise LaunchError("--return copies names back from rank 0, which --ranks leaves out")
     if len(targets) < warm.spec.world_size:
-        calls = pool_module.collective_calls(cell)
+        calls = reading.collectives
         if calls:
             raise LaunchError(f"this cell runs on rank(s) {', '.join(map(str, targets))} only, but calls "
                               f"{', '.join(calls)}: a collective needs every rank and would hang")

@@ -9,7 +9,6 @@ importable from ``__main__`` in the ranks.  Rank side: no IPython here.
 from __future__ import annotations
 
 import __future__
-import ast
 import builtins
 import functools
 import io
@@ -31,8 +30,6 @@ from .errors import LaunchError, TrainingStopped
 
 RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 
-# Names IPython keeps in the user namespace that a cell never means to ship.
-_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_ih", "_oh", "_dh", "_ii", "_iii", "_i"}
 
 _FUTURE_FLAGS = functools.reduce(operator.or_, (getattr(__future__, name).compiler_flag
                                                  for name in __future__.all_feature_names))
@@ -288,109 +285,6 @@ _SHARDED_ELSEWHERE = ("the result holds {what} where the ranks do not look for s
 
 def _same(value: Any) -> Any:
     return value
-
-
-@functools.lru_cache(maxsize=16)
-def parsed(code: str) -> ast.Module:
-    """The cell's syntax tree, parsed once for the notebook side's several readings of one cell (read it, never
-    change it: it is shared).  Raises SyntaxError."""
-    return ast.parse(code)
-
-
-@functools.lru_cache(maxsize=16)
-def names_used(code: str) -> frozenset[str]:
-    """Every name the code reads, anywhere (functions and comprehensions included)."""
-    return frozenset(_names_read(parsed(code)))
-
-
-def _names_read(tree: ast.AST) -> set[str]:
-    used = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            used.add(node.id)
-        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            used.add(node.target.id)  # x += 1 reads x first
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            used.update(node.names)
-    return used
-
-
-@functools.lru_cache(maxsize=16)
-def names_bound_first(code: str) -> frozenset[str]:
-    """Names the code surely binds before it reads them (``log = open(...)`` or ``with open(...) as log:`` at its top
-    level, before any use of ``log``): the cell's own, so a notebook value of that name is not sent.  A statement's
-    reads count wherever they sit in it (a function it defines, a loop's body); binds count only where they surely
-    happen: top-level assignments, imports, definitions and ``with ... as`` targets, not what an ``if``, a loop, a
-    ``try`` or a ``with`` block binds."""
-    bound, read = set(), set()
-
-    def run(statements: list[ast.stmt], surely: bool) -> None:
-        for statement in statements:
-            if isinstance(statement, ast.With):
-                for item in statement.items:
-                    read.update(_names_read(item.context_expr) - bound)
-                    if item.optional_vars is not None and surely:
-                        bound.update(_names_stored(item.optional_vars) - read)
-                run(statement.body, False)  # (a context manager may swallow an exception of its block)
-                continue
-            read.update(_names_read(statement) - bound)
-            if surely:
-                bound.update(_names_bound_by(statement) - read)
-
-    run(parsed(code).body, True)
-    return frozenset(bound)
-
-
-def _names_bound_by(statement: ast.stmt) -> set[str]:
-    if isinstance(statement, ast.Assign):
-        return set().union(*(_names_stored(target) for target in statement.targets))
-    if isinstance(statement, ast.AnnAssign) and statement.value is not None:
-        return _names_stored(statement.target)
-    if isinstance(statement, (ast.Import, ast.ImportFrom)):
-        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names if alias.name != "*"}
-    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return {statement.name}
-    return set()
-
-
-def _names_stored(target: ast.expr) -> set[str]:
-    """The names an assignment target binds (``a``, ``a, (b, *c)``; not ``a.x`` or ``a[0]``, which read ``a``)."""
-    if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return set().union(*(_names_stored(element) for element in target.elts))
-    if isinstance(target, ast.Starred):
-        return _names_stored(target.value)
-    return set()
-
-
-def check_syntax(code: str, line_offset: int, label: str) -> None:
-    try:
-        parsed(code)
-    except SyntaxError as exc:
-        line = (exc.lineno or 0) + line_offset
-        text = (exc.text or "").rstrip()
-        caret = ""
-        if text and exc.offset:
-            caret = "\n    " + " " * (exc.offset - 1 - (len(text) - len(text.lstrip()))) + "^"
-        raise LaunchError(
-            f"SyntaxError in {label}, line {line}: {exc.msg}\n    {text.strip()}{caret}\nNo rank was started."
-        ) from None
-
-
-def select_names(code: str, user_ns: dict) -> tuple[dict[str, Any], list[str]]:
-    """The notebook names the cell reads (not those it binds before it reads them); and the rank names it would
-    shadow."""
-    used = names_used(code)
-    shadowed = sorted(n for n in RANK_NAMES if n in used and n in user_ns)
-    chosen = {}
-    for name in used - names_bound_first(code):
-        if name in RANK_NAMES or name in _IPYTHON_NAMES or name.startswith("_i") or name not in user_ns:
-            continue
-        if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
-            continue
-        chosen[name] = user_ns[name]
-    return chosen, shadowed
 
 
 # The notebook's open files: cloudpickle would send an open text file as a StringIO of its contents (the whole file, in

@@ -46,6 +46,9 @@ def __getattr__(name):
         return getattr(api, name)
     if name == "export":  # notebook side: a cell or function as a script for torchrun
         from .engine.export import export
+        from .notebook import ipython_cells
+
+        ipython_cells.install()  # (the script carries the notebook's cells for its tracebacks)
 
         return export
     if name == "follow":  # notebook side: the dashboard of a torchrun job, from its metrics files

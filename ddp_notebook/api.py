@@ -16,9 +16,11 @@ from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, JobOptions, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay, RankLogs
 from .engine.spec import JobSpec, check_options, check_together, resolve_devices
-from .notebook import profile_view, prompting
+from .notebook import ipython_cells, profile_view, prompting
 from .wire import payload
 from .wire.errors import LaunchError, Stopped
+
+ipython_cells.install()  # tracebacks show the notebook's cells as written
 
 
 def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: Any = None, cpus: int | None = None,

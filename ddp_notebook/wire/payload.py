@@ -580,12 +580,19 @@ def _set_cell(filename: str, text: str, label: str | None) -> None:
     _cell_versions[filename] = _version
 
 
-def _ipython_cells() -> tuple[dict[str, int], int]:
-    """IPython's map of the cell files it compiled (file -> execution count) and its execution count now."""
-    ipython = sys.modules.get("IPython")  # the notebook's shell, if this process has one (never imported here)
-    shell = ipython.get_ipython() if ipython is not None else None
-    filename_map = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
-    return filename_map, getattr(shell, "execution_count", 0) or 0
+def _no_cells() -> tuple[dict[str, int], int]:
+    return {}, 0
+
+
+# The notebook side's reading of which cells IPython compiled (notebook/ipython_cells.py): file -> execution count,
+# and the execution count now.  Installed by the front doors (api.py); none outside them.
+_ipython_cells: Callable[[], tuple[dict[str, int], int]] = _no_cells
+
+
+def read_cells_with(cell_files: Callable[[], tuple[dict[str, int], int]]) -> None:
+    """Install what tells which cells IPython compiled (the notebook side's ``ipython_cells.cell_files``)."""
+    global _ipython_cells
+    _ipython_cells = cell_files
 
 
 def _read_new_cells() -> None:

@@ -305,3 +305,49 @@ def test_gpu_requests_map_to_visible_devices_and_nccl(monkeypatch, tmp_path):
     env = rank_environment(least, 1234, 1, 1, 2)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["LOCAL_RANK"] == "1"
+
+
+def _waits_for_a_stop():
+    import ddp_notebook
+
+    while not ddp_notebook.should_stop():
+        time.sleep(0.01)
+    return "stopped"
+
+
+def test_a_jobs_phases_move_as_written_and_no_other_way(no_leftovers):
+    """Job.phase goes NEW -> RUNNING -> (STOPPING ->) ENDING -> ENDED, as engine.job.MOVES says, and the job
+    refuses any other move."""
+    from ddp_notebook.engine.job import MOVES, Job, JobOptions, Phase
+    from ddp_notebook.wire import payload
+
+    def task(fn):
+        return payload.dumps(payload.CallTask(fn, (), {}, False, payload.Sources()))
+
+    seen = []
+    job = Job(job_spec.resolve_devices(cpus=2), task(_waits_for_a_stop), JobOptions(stop_grace=30))
+    job.add_listener(lambda job, kind, rank, body: seen.append(job.phase))
+    assert job.phase is Phase.NEW and job.status == "running" and not job.done
+    job.start().run_in_background()
+    assert job.phase is Phase.RUNNING
+    deadline = time.monotonic() + 60
+    while job.stoppable != {0, 1} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.stop(timeout=60)  # graceful: every rank said its task checks for it
+    assert job.phase is Phase.ENDED and job.status == "stopped" and job.wait() == ["stopped", "stopped"]
+    assert Phase.STOPPING in seen and seen[-1] is Phase.ENDED  # (the ENDED event comes once ended)
+    order = [phase for i, phase in enumerate(seen) if i == 0 or phase is not seen[i - 1]]
+
+    def reachable(start):  # (listeners see the phases events come in: a phase may pass with no event)
+        found, todo = set(), [start]
+        while todo:
+            for later in MOVES[todo.pop()] - found:
+                found.add(later)
+                todo.append(later)
+        return found
+
+    assert order[0] is Phase.RUNNING and all(later in reachable(earlier) for earlier, later in zip(order, order[1:])), \
+        order
+    with pytest.raises(RuntimeError, match=r"cannot go from ended to running"):
+        job._move(Phase.RUNNING)
+    assert job.phase is Phase.ENDED

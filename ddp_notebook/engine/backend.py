@@ -91,9 +91,9 @@ class RankBackend(abc.ABC):
         others be ended apart (:meth:`signal`): ranks of this host that serve tasks.  Else it ends with its task."""
         return False
 
+    @abc.abstractmethod
     def signal(self, ranks, sig: int) -> None:
-        """Send ``sig`` to these ranks' processes (where :attr:`keeps_failed_rank`)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot signal its ranks")
+        """Send ``sig`` to these ranks' processes."""
 
     def __init__(self, spec, relay: OutputRelay):
         self.spec = spec

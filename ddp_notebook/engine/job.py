@@ -133,6 +133,7 @@ class EventSource:
 
     listeners: list[Listener]
     status: str
+    done: bool  # it has ended (or following it has)
     metrics: Metrics | None = None  # made with the run (a followed run's once it knows its ranks)
 
     def start_metrics(self, world_size: int, callbacks=()) -> None:
@@ -164,11 +165,6 @@ class EventSource:
         if _viewer is None:
             raise RuntimeError("no view to show jobs with: import ddp_notebook (its front door installs one)")
         _viewer(self)
-
-    @property
-    def done(self) -> bool:
-        """The run has ended (or following it has)."""
-        raise NotImplementedError
 
 
 class Job(EventSource):

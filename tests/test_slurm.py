@@ -193,6 +193,14 @@ print("STATUS", job.status)
 """
 
 
+def _told_why(out: str, hang_after: int, asleep_s: int, since: str = r"0:00:\d\d"):
+    """The cell's words for an ASLEEP job stuck past --hang-after: rank 0 waits in all_reduce, rank 1 sleeps."""
+    return re.search(rf"job #\d+ made no progress for {hang_after} s \(--hang-after\); it goes on\. Why:\n"
+                     rf"rank 0 waits in all_reduce #\d+ since {since}\n"
+                     rf"rank 1 has not reached it \(its last was #\d+\): it is at cell line 5, "
+                     rf"`time.sleep\({asleep_s}\)  # ASLEEP`", out)
+
+
 @pytest.mark.kernel
 def test_a_hang_of_a_slurm_job_is_explained_over_the_channel(slurm, tmp_path):
     """A Slurm task shares no folder with the notebook: job.why() and job.stacks() ask it over the channel, and
@@ -203,10 +211,7 @@ def test_a_hang_of_a_slurm_job_is_explained_over_the_channel(slurm, tmp_path):
         out, _ = _run(kc, ASLEEP.format(seconds=15))
         job_id = _job_id(out)
         assert "the ranks report over this kernel's channel" in out
-        assert re.search(r"job #\d+ made no progress for 2 s \(--hang-after\); it goes on\. Why:\n"
-                         r"rank 0 waits in all_reduce #(\d+) since 0:00:0\d\n"
-                         r"rank 1 has not reached it \(its last was #\d+\): it is at cell line 5, "
-                         r"`time.sleep\(15\)  # ASLEEP`", out), out
+        assert _told_why(out, hang_after=2, asleep_s=15, since=r"0:00:0\d"), out
         assert "Traceback" not in out and "Error" not in out, out  # the job went on and ended well
         assert _leaves_queue(job_id, 15)
 
@@ -253,10 +258,7 @@ def test_unreachable_notebook_the_ranks_report_through_files(slurm, tmp_path):
         out, _ = _run(kc, ASLEEP.format(seconds=20).replace("--hang-after 2", "--hang-after 4"))
         asleep_job = _job_id(out)
         assert "reports through files in" in out
-        assert re.search(r"made no progress for 4 s \(--hang-after\); it goes on\. Why:\n"
-                         r"rank 0 waits in all_reduce #\d+ since 0:00:\d\d\n"
-                         r"rank 1 has not reached it \(its last was #\d+\): it is at cell line 5, "
-                         r"`time.sleep\(20\)  # ASLEEP`", out), out
+        assert _told_why(out, hang_after=4, asleep_s=20), out
         assert _leaves_queue(asleep_job, 15)
     assert _no_staging(tmp_path) == []
 

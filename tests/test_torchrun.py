@@ -89,6 +89,13 @@ def _agent(args, cwd, log):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _node_1(port, script, cwd, log_path):
+    """Node 1 of a job on two hosts, one rank, as another host runs it: (its agent, its log, open)."""
+    log = open(log_path, "w+")
+    return _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
+                   "--master-port", port, script], cwd, log), log
+
+
 def _stop(procs):
     for proc in procs:
         if proc.poll() is None:
@@ -231,9 +238,7 @@ def test_notebook_as_node_0_with_a_torchrun_node_1(tmp_path, no_leftovers):
         except AuthenticationError as exc:
             refused.append(repr(exc))
 
-    log = open(tmp_path / "node1.log", "w+")
-    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
-                    "--master-port", port, script], elsewhere, log)
+    node1, log = _node_1(port, script, elsewhere, tmp_path / "node1.log")
     intruder = threading.Thread(target=intrude, daemon=True)
     intruder.start()
     try:
@@ -277,9 +282,7 @@ def test_notebook_as_node_0_with_a_torchrun_node_1(tmp_path, no_leftovers):
 def test_a_failure_on_another_node_stops_the_job_and_leaves_nothing(tmp_path, no_leftovers, capfd):
     script = tmp_path / "job.py"
     port = _free_port()
-    log = open(tmp_path / "node1.log", "w+")
-    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
-                    "--master-port", port, script], tmp_path, log)
+    node1, log = _node_1(port, script, tmp_path, tmp_path / "node1.log")
     started = time.time()
     try:
         with pytest.raises(RankError) as caught:
@@ -367,9 +370,7 @@ def test_a_hang_across_hosts_is_explained_by_asking_each_rank_over_the_channel(t
 
     script = tmp_path / "job.py"
     port = _free_port()
-    log = open(tmp_path / "node1.log", "w+")
-    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
-                    "--master-port", port, script], tmp_path, log)
+    node1, log = _node_1(port, script, tmp_path, tmp_path / "node1.log")
     try:
         job = ddp_notebook.launch(one_asleep_before_all_reduce, cpus=1, nnodes=2, master_addr="127.0.0.1", port=port,
                                   export=str(script), background=True, hang_after=3)
@@ -518,9 +519,7 @@ def test_follow_tails_the_files_until_every_node_has_ended(tmp_path, monkeypatch
 def test_stopping_a_node_0_job_ends_every_node(tmp_path, no_leftovers):
     script = tmp_path / "job.py"
     port = _free_port()
-    log = open(tmp_path / "node1.log", "w+")
-    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
-                    "--master-port", port, script], tmp_path, log)
+    node1, log = _node_1(port, script, tmp_path, tmp_path / "node1.log")
     try:
         job = ddp_notebook.launch(sleeps, cpus=1, nnodes=2, master_addr="127.0.0.1", port=port, export=str(script),
                                   background=True)
@@ -555,9 +554,7 @@ def test_a_killed_notebook_leaves_nothing_on_any_node(tmp_path):
     script = tmp_path / "job.py"
     port = _free_port()
     before = job_dirs()
-    log = open(tmp_path / "node1.log", "w+")
-    node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
-                    "--master-port", port, script], tmp_path, log)
+    node1, log = _node_1(port, script, tmp_path, tmp_path / "node1.log")
     code = KILLED_NOTEBOOK.format(tests=os.path.dirname(os.path.abspath(__file__)), port=port, script=str(script))
     notebook = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

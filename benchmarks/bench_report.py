@@ -36,6 +36,7 @@ Prints a Markdown summary; figures of a run are kept in benchmarks/RESULTS_repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -239,8 +240,10 @@ def _bootstrap_quantile_ratio(values: list, baseline: list, q: float, draws: int
     return _quantile(values, q) / _quantile(baseline, q), ratios[int(draws * 0.025)], ratios[int(draws * 0.975) - 1]
 
 
-def mlp_blocks_benchmark(args) -> None:
-    """Part 5: report() against no call and against a no-op call, blocks of one job in shuffled rounds."""
+@contextlib.contextmanager
+def _kernel_cells(args, timeout: float):
+    """A fresh kernel with the package under test on its path; yields ``cell(code)``, which runs a cell and returns
+    what it printed (a failed cell ends the benchmark with its traceback)."""
     from jupyter_client.manager import start_new_kernel
     from nbrun import run_cell
 
@@ -248,12 +251,21 @@ def mlp_blocks_benchmark(args) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     km, kc = start_new_kernel(kernel_name="python3", env=env)
     try:
-        def cell(code: str, timeout: float = 3600) -> str:
+        def cell(code: str, timeout: float = timeout) -> str:
             reply, told = run_cell(kc, code, timeout=timeout)
             if reply["status"] != "ok":
                 raise SystemExit(told)
             return told
 
+        yield cell
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def mlp_blocks_benchmark(args) -> None:
+    """Part 5: report() against no call and against a no-op call, blocks of one job in shuffled rounds."""
+    with _kernel_cells(args, 3600) as cell:
         cell("%load_ext ddp_notebook")
         if args.kernel_setup:
             cell(args.kernel_setup)
@@ -318,9 +330,6 @@ def mlp_blocks_benchmark(args) -> None:
         print(f"- the front end's CPU (this benchmark's Jupyter client, which receives the cell's output), % of a "
               f"core: report() {front['report'] * 100:.2f}%, no-op {front['noop'] * 100:.2f}%, no call "
               f"{front['plain'] * 100:.2f}%")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 KERNEL_FACTS = """\
@@ -345,19 +354,7 @@ def _memory(pid: int) -> dict:
 
 def mlp_benchmark(args) -> None:
     """Part 4: the MLP loop with and without report() every step, in a real kernel; then a long run's memory."""
-    from jupyter_client.manager import start_new_kernel
-    from nbrun import run_cell
-
-    path = [args.package or ROOT, os.path.join(ROOT, "tests")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    km, kc = start_new_kernel(kernel_name="python3", env=env)
-    try:
-        def cell(code: str, timeout: float = 1200) -> str:
-            reply, told = run_cell(kc, code, timeout=timeout)
-            if reply["status"] != "ok":
-                raise SystemExit(told)
-            return told
-
+    with _kernel_cells(args, 1200) as cell:
         def printed(told: str, tag: str) -> dict:
             for line in told.splitlines():
                 line = re.sub(r"^\[rank \d+\] ", "", line)
@@ -410,9 +407,6 @@ def mlp_benchmark(args) -> None:
             print(f"- the history: {facts['records']:,} records, last {facts['last']}; "
                   f"its columns {facts['history_bytes'] / 2**20:.2f} MiB (History.__sizeof__; a list's is its "
                   f"pointers alone)")
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def _results(cell, tag="RESULT"):

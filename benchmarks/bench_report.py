@@ -121,11 +121,8 @@ print("RESULT", json.dumps({{"rank": rank, "steps": steps, "repeats": repeats, "
 """
 
 
-# The loop of part 4: one job, with or without report() every step.  Rank 0 reads the kernel's CPU time around
-# the loop (the ranks' parent is not always the kernel: its pid is written in).
-MLP = """\
-%%ddp --cpus 2
-import json, time, psutil, torch
+# The model of parts 4 and 5: a 2-layer MLP under DDP on one thread a rank; ``kernel``, the kernel's process.
+_MLP_MODEL = """\
 import torch.nn.functional as F
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -136,6 +133,14 @@ model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 inputs, targets = torch.randn(32, 32), torch.randn(32, 1)
 kernel = psutil.Process({kernel_pid})
+"""
+
+# The loop of part 4: one job, with or without report() every step.  Rank 0 reads the kernel's CPU time around
+# the loop (the ranks' parent is not always the kernel: its pid is written in).
+MLP = """\
+%%ddp --cpus 2
+import json, time, psutil, torch
+""" + _MLP_MODEL + """\
 
 def train_step():
     optimizer.zero_grad()
@@ -164,16 +169,7 @@ if rank == 0:
 MLP_BLOCKS = """\
 %%ddp --cpus 2
 import json, random, time, psutil, torch
-import torch.nn.functional as F
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from ddp_notebook import report
-torch.set_num_threads(1)
-torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-inputs, targets = torch.randn(32, 32), torch.randn(32, 1)
-kernel = psutil.Process({kernel_pid})
+""" + _MLP_MODEL + """\
 front = psutil.Process(kernel.ppid())  # the front end: here the benchmark's own process (a Jupyter client)
 total = {rounds} * 3 * {block_steps}
 

@@ -133,6 +133,13 @@ model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 inputs, targets = torch.randn(32, 32), torch.randn(32, 1)
 kernel = psutil.Process({kernel_pid})
+
+def train_step():
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 """
 
 # The loop of part 4: one job, with or without report() every step.  Rank 0 reads the kernel's CPU time around
@@ -141,13 +148,6 @@ MLP = """\
 %%ddp --cpus 2
 import json, time, psutil, torch
 """ + _MLP_MODEL + """\
-
-def train_step():
-    optimizer.zero_grad()
-    loss = F.mse_loss(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
 
 for _ in range(50):
     train_step()
@@ -169,16 +169,9 @@ if rank == 0:
 MLP_BLOCKS = """\
 %%ddp --cpus 2
 import json, random, time, psutil, torch
-""" + _MLP_MODEL + """\
+""" + _MLP_MODEL + """
 front = psutil.Process(kernel.ppid())  # the front end: here the benchmark's own process (a Jupyter client)
 total = {rounds} * 3 * {block_steps}
-
-def train_step():
-    optimizer.zero_grad()
-    loss = F.mse_loss(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
 
 def nothing(**metrics):
     pass

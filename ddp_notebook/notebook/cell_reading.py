@@ -20,16 +20,14 @@ class CellReading:
     """One cell's names, read once."""
 
     bound: frozenset[str] | None  # what it binds in any scope; None: no reading can tell (import *, exec, globals())
-    reads: dict  # the names it reads where they are evaluated, with the cell line of each one's first use
     assigned: frozenset[str]  # what it binds at its top level: what the ranks hold after it
     collectives: tuple[str, ...]  # the collectives it obviously calls
 
 
 def read(code: str) -> CellReading:
     """Read ``code`` (a cell, syntax checked) once, for every check of the magic and for the warm pool."""
-    bound, reads = scan_names(code)
-    return CellReading(None if bound is None else frozenset(bound), reads, names_assigned(code),
-                       tuple(collective_calls(code)))
+    bound = scan_names(code)[0]
+    return CellReading(None if bound is None else frozenset(bound), names_assigned(code), tuple(collective_calls(code)))
 
 
 # Names IPython keeps in the user namespace that a cell never means to ship.

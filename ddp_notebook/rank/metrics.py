@@ -18,8 +18,8 @@ from . import context, profiling, timing
 
 PROGRESS_INTERVAL_S = 0.1  # at most ~10 progress events a second per rank
 BATCH_WINDOW_S = 0.05  # reports that follow within this time travel in one message...
-BUSY_BATCH_WINDOW_S = 0.25  # ...or within this one, while the last batch was busy (report() every step):
-BUSY_BATCH = 10  # one of at least this many reports (200 a second); the dashboard redraws at most twice a second
+BUSY_BATCH_WINDOW_S = 0.5  # ...or within this one, while the last batch was busy (report() every step): the
+BUSY_BATCH = 10  # last held this many reports or more.  The dashboard redraws at most twice a second anyway
 
 _last_progress_sent = float("-inf")
 _implicit_step = 0  # the x of reports that give neither epoch nor step
@@ -37,8 +37,9 @@ class _Batch:
     reports join the batch), then seals it under the lock; later reports start
     a new batch.  Once a batch holds ``BUSY_BATCH`` reports or more, the next
     waits ``BUSY_BATCH_WINDOW_S``, until one holds fewer.  So a loop reporting
-    1,000 times a second wakes the sender and the notebook ~4 times a second
-    instead of 1,000, a lone report leaves within 50 ms, and none is left
+    1,000 times a second wakes the sender and the notebook twice a second
+    instead of 1,000 (four times a second cost the kernel's message handling a
+    third more CPU), a lone report leaves within 50 ms, and none is left
     behind: every batch is in the sender's queue before ``report()`` returns,
     and the worker flushes that queue.  It arrives in the notebook as a plain
     ``{"reports": [...]}`` dict, alike reports packed in runs (``protocol.pack_reports``).

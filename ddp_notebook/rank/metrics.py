@@ -87,6 +87,17 @@ def _number(name: str, value: Any) -> float | int:
                         f"not {type(value).__name__}") from None
 
 
+def _values(metrics: dict) -> tuple[dict, list]:
+    """The reported values as numbers, and the names wrapped in :class:`Sum`."""
+    values, summed = {}, []
+    for name, value in metrics.items():
+        if type(value) is Sum:
+            summed.append(name)
+            value = value.value
+        values[name] = _number(name, value)
+    return values, summed
+
+
 def report(*, epoch: float | None = None, step: float | None = None, epochs: int | None = None,
            steps: int | None = None, n: float | None = None, **metrics: Any) -> None:
     """Send metrics to the notebook, where they are reduced over all ranks and drawn live.
@@ -98,13 +109,13 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     """
     global _implicit_step
     profiling.step()  # (a --profile window counts report() calls where no loader counts batches)
-    values = {}
     summed = []
-    for name, value in metrics.items():
-        if type(value) is Sum:
-            summed.append(name)
-            value = value.value
-        values[name] = _number(name, value)
+    for value in metrics.values():
+        if type(value) is not float and type(value) is not int:  # (plain numbers: the keywords' own dict is sent)
+            values, summed = _values(metrics)
+            break
+    else:
+        values = metrics
     if step is not None:
         key, x, total = "step", _number("step", step), steps
         _implicit_step = x

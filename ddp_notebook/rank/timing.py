@@ -52,6 +52,8 @@ def reset() -> None:
 
 def take() -> dict | None:
     """The totals since the last call, with this rank's memory; None when no batch was timed."""
+    if not _totals["batches"]:  # (read without the lock: report() calls this every step; a batch counted meanwhile
+        return None  # rides on the next report)
     with _lock:
         if not _totals["batches"]:
             return None

@@ -7,6 +7,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# A pytest-xdist worker (``-n``) inherits the controller's environment: it takes a tag, a temp dir and a
+# reservations file of its own below, so that what one worker counts as its leftovers is never another's.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER and os.environ.get("DDP_NOTEBOOK_TEST_WORKER") != WORKER:
+    os.environ["DDP_NOTEBOOK_TEST_WORKER"] = WORKER
+    os.environ.pop("DDP_NOTEBOOK_TEST_TAG", None)
+    os.environ.pop("DDP_NOTEBOOK_TEST_TMPDIR", None)
+    os.environ.pop("DDP_NOTEBOOK_RESERVATIONS", None)
 # Ranks inherit the environment: this tag tells our ranks from those of other runs on the machine.
 TEST_TAG = os.environ.setdefault("DDP_NOTEBOOK_TEST_TAG", __import__("uuid").uuid4().hex)
 # A private temp dir for this run (kernels and ranks inherit it), so leftovers are ours to count.
@@ -17,6 +25,16 @@ if not os.environ.get("DDP_NOTEBOOK_TEST_TMPDIR"):
     tempfile.tempdir = None
 # GPU reservations (engine/reservations.py) of this run's fake GPUs stay in it, away from the machine's own.
 os.environ.setdefault("DDP_NOTEBOOK_RESERVATIONS", os.path.join(os.environ["DDP_NOTEBOOK_TEST_TMPDIR"], "gpu-reservations"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``), tests that share something machine-wide run on one worker:
+    the Slurm daemons, Chromium."""
+    for item in items:
+        if "slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.get_closest_marker("browser") is not None:
+            item.add_marker(pytest.mark.xdist_group("browser"))
 
 
 def rank_processes():

@@ -36,17 +36,22 @@ IPYKERNEL_VERSIONS = [7, 6]
 
 def ipykernel6_path() -> str:
     """A folder holding ipykernel 6 (installed there on first use); skips (fails under CI=true) without pip."""
+    import fcntl
+
     import pytest
 
     folder = os.path.join(os.path.expanduser("~"), ".cache", "ddp_notebook-tests", "ipykernel6")
-    if not os.path.exists(os.path.join(folder, "ipykernel", "__init__.py")):
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", folder, "--no-deps",
-                               IPYKERNEL_6, "nest_asyncio"], capture_output=True, text=True)
-        if done.returncode != 0:
-            why = f"cannot install {IPYKERNEL_6} for the ipykernel 6 runs: {done.stderr.strip()[-500:]}"
-            if os.environ.get("CI") == "true":
-                pytest.fail(why)
-            pytest.skip(why)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (pytest-xdist workers: one installs, the others wait for it)
+        if not os.path.exists(os.path.join(folder, "ipykernel", "__init__.py")):
+            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", folder, "--no-deps",
+                                   IPYKERNEL_6, "nest_asyncio"], capture_output=True, text=True)
+            if done.returncode != 0:
+                why = f"cannot install {IPYKERNEL_6} for the ipykernel 6 runs: {done.stderr.strip()[-500:]}"
+                if os.environ.get("CI") == "true":
+                    pytest.fail(why)
+                pytest.skip(why)
     return folder
 
 

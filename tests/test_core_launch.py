@@ -107,6 +107,28 @@ def test_input_in_a_rank_that_no_one_can_answer_fails_saying_why(no_leftovers):
     assert "closed file" not in str(info.value)
 
 
+def test_prompts_waiting_behind_one_the_notebook_could_not_ask_are_refused_with_the_same_reason():
+    # Both ranks asked before the notebook tried the first prompt: the second must get the first one's reason,
+    # not a failure of the relay itself (CI once saw "TypeError: 'NoneType' object is not callable" here).
+    from ddp_notebook.engine.prompts import PromptRelay
+    from ddp_notebook.wire import protocol
+
+    def prompter(text):
+        raise OSError("no stdin here")
+
+    sent = []
+    relay = PromptRelay(7, prompter, send=lambda rank, message: sent.append((rank, message)), catch_up=lambda: None,
+                        no_prompter=lambda: "unused", world_size=2)
+    relay.take(1, {"id": "a", "prompt": "[rank 1] lr? "})
+    relay.take(0, {"id": "b", "prompt": "[rank 0] lr? "})
+    assert relay.ask_waiting(lambda: False) is None
+    why = "the notebook could not ask (OSError: no stdin here)"
+    assert sent == [(1, (protocol.ANSWER, {"task": 7, "id": "a", "refused": why})),
+                    (0, (protocol.ANSWER, {"task": 7, "id": "b", "refused": why}))]
+    relay.take(1, {"id": "c", "prompt": "[rank 1] again? "})
+    assert sent[-1] == (1, (protocol.ANSWER, {"task": 7, "id": "c", "refused": why}))
+
+
 @pytest.mark.slow
 def test_a_failing_rank_stops_a_bystander_blocked_in_a_collective(no_leftovers):
     started = time.time()

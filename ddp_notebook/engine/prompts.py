@@ -70,6 +70,9 @@ class PromptRelay:
         return None
 
     def _ask(self, rank: int, body: dict) -> str | None:
+        if self.prompter is None:  # an earlier prompt of this batch found that nothing can ask
+            self._answer(rank, body, {"refused": self.refusal or self._no_prompter()})
+            return None
         self._catch_up()  # what the rank printed before it asked is shown first
         limit = body.get("group_timeout")
         if limit is not None and limit < DEBUG_WAIT_S and self._world_size > 1 and not self._told_limit:

@@ -259,6 +259,43 @@ def test_status_line_and_eta():
     assert len(out.getvalue().splitlines()) == 2  # step-wise lines are paced; the last one is kept
 
 
+def test_status_counts_how_far_the_axis_came_not_how_many_reports():
+    # report(step=s, steps=200) every 10 steps: the status said "step 10/200" and an ETA 20x too long.
+    from ddp_notebook.engine.history import Reducer
+
+    status = dashboard.Status(world_size=2, started_at=100.0)
+    status.ready.update((0, 1))
+    status.training_since = 100.0
+    reducer = Reducer(2)
+    for step in range(0, 100, 10):
+        for rank in (0, 1):
+            reducer.add(rank, {"key": "step", "x": step, "total": 200, "values": {"loss": 1.0}})
+    # 91 steps done (0 to 90) in 9.1 s: 109 to go take 10.9 s.
+    assert status.line(reducer, 109.1) == "2/2 ranks alive · step 91/200 · 0:09 elapsed · ETA 0:11"
+    for rank in (0, 1):  # a replayed step (a restart) does not count twice
+        reducer.add(rank, {"key": "step", "x": 50, "total": 200, "values": {"loss": 2.0}})
+    assert reducer.done("step") == 91
+
+    one_based = Reducer(1)
+    for epoch in (1, 2):
+        one_based.add(0, {"key": "epoch", "x": epoch, "total": 4, "values": {"loss": 1.0}})
+    assert one_based.done("epoch") == 2
+    fractional = Reducer(1)
+    for epoch in (0.0, 0.25, 0.5):
+        fractional.add(0, {"key": "epoch", "x": epoch, "total": 2, "values": {"loss": 1.0}})
+    assert fractional.done("epoch") == 0.5
+    single = dashboard.Status(world_size=1, started_at=100.0)
+    single.ready.add(0)
+    assert single.line(fractional, 110.0).startswith("1/1 ranks alive · epoch 0.5/2 · 0:10 elapsed")
+    fractional.add(0, {"key": "epoch", "x": 1.0, "total": 2, "values": {"loss": 1.0}})
+    assert fractional.done("epoch") == 1.0  # (not 2: these x's are fractions of an epoch, not epochs counted from 0)
+    runs = Reducer(1)  # a batch of reports packed in a run, as a busy rank sends them
+    runs.add_many(0, [protocol.pack_reports([{"key": "epoch", "x": x, "total": 2, "values": {"loss": 1.0}}
+                                             for x in (0, 0.5, 1)])[0]])
+    assert runs.done("epoch") == 1
+    assert Reducer(1).done("step") == 0
+
+
 def test_a_restart_is_marked_in_the_status_line_and_on_the_curves_and_replayed_epochs_replace_the_old(capsys):
     job = FakeJob(2)
     dashboard.watch(job)

@@ -445,6 +445,10 @@ class _XIndex:
         """The highest x that has a record (None without any)."""
         return self.last
 
+    def lowest(self):
+        """The lowest x that has a record (None without any)."""
+        return self.history._get(self.at[0], self.key) if self.at else None
+
 
 
 class _Point:
@@ -527,6 +531,7 @@ class Reducer:
         self.summed: set[str] = set()
         self.totals: dict[str, float] = {}  # x key -> total (epochs, steps)
         self.counts: dict[str, int] = {}  # x key -> records made
+        self._fractional: set[str] = set()  # the x keys reported with an x that is not a whole number
         self.notices: list[str] = []
         self._all = frozenset(range(world_size))
         self._pending: dict[str, OrderedDict] = {}  # x key -> x -> _Point
@@ -545,6 +550,23 @@ class Reducer:
         self._lanes: dict[str, _Lane] = {}  # x key -> its reports in the common case
         self._arrivals = 0  # reports taken so far (their order, for a lane handed back)
 
+    def done(self, key: str) -> float:
+        """How far the ``key`` axis has come, in the units of its total (``report(steps=...)``): the highest x that
+        has a record, one more where whole x's begin at 0 (``report(step=0)`` is one step done). Reports made every
+        k steps count k steps each, and a replayed x does not count twice."""
+        where = self._where.get(key)
+        last = where.highest() if where is not None else None
+        if last is None:
+            return 0
+        if where.lowest() == 0 and key not in self._fractional:
+            return last + 1
+        return last
+
+    def _saw(self, key: str, xs) -> None:
+        """Mark the key's axis fractional once an x is not a whole number (``report(epoch=0.5)``)."""
+        if key not in self._fractional and not all(type(x) is int or float(x).is_integer() for x in xs):
+            self._fractional.add(key)
+
     def add(self, rank: int, body: dict) -> list[dict]:
         """Take one rank's report; the updates it completed."""
         return self.add_many(rank, (body,))
@@ -561,6 +583,7 @@ class Reducer:
                 _, key, total, names, xs, columns = body
                 if total is not None:
                     self.totals[key] = total
+                self._saw(key, xs)
                 if not self._orphans.get(key) and self._lane_take(rank, key, names, xs, columns, updates):
                     self._arrivals += len(xs)
                     self._moved(rank, key, xs[-1], moved)
@@ -575,6 +598,7 @@ class Reducer:
 
     def _take(self, rank: int, body: dict, now: float, updates: list, moved: list) -> None:
         key, x = body["key"], body["x"]
+        self._saw(key, (x,))
         if body.get("total") is not None:
             self.totals[key] = body["total"]
         if body.get("sum"):

@@ -157,7 +157,7 @@ class Status:
         total = reducer.totals.get(key) if key else None
         if not total:
             return None
-        units = reducer.counts.get(key, 0)
+        units = reducer.done(key)
         if units >= total:
             return None
         if key == "epoch":
@@ -175,7 +175,7 @@ class Status:
         where = ""
         if key:
             total = reducer.totals.get(key)
-            where = f"{key} {reducer.counts.get(key, 0)}" + (f"/{total}" if total else "")
+            where = f"{key} {reducer.done(key):g}" + (f"/{total}" if total else "")
         if self.outcome is not None:
             end = self.ended_at or now
             parts = [self.outcome, f"{self.world_size} ranks"] + ([where] if where else []) + \
@@ -639,12 +639,12 @@ class DisplayView:
                 progress = dict(watcher.status.progress)
                 key = Status.primary_key(watcher.reducer)
                 total = watcher.reducer.totals.get(key) if key else None
-                done = watcher.reducer.counts.get(key, 0) if key else 0
+                done = watcher.reducer.done(key) if key else 0
             if fraction is not None:
                 batches = max(total_batches for _, total_batches in progress.values())
                 lines.append(_text_bar(fraction, f"{round(fraction * batches)}/{batches} batches"))
             elif total:
-                lines.append(_text_bar(min(done / total, 1.0), f"{done}/{total} {TOTAL_KEYS[key]}"))
+                lines.append(_text_bar(min(done / total, 1.0), f"{done:g}/{total} {TOTAL_KEYS[key]}"))
             if self.stop_hint:
                 button = "the Stop button, or " if self.stop_button is not None else ""
                 lines.append(f"stop it: {button}{self.stop_hint}")

@@ -15,7 +15,7 @@ from .engine.local import LocalRanks
 from .engine.callbacks import resolve as resolve_callback
 from .engine.job import Job, JobOptions, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay, RankLogs
-from .engine.spec import JobSpec, check_options, check_together, resolve_devices
+from .engine.spec import JobSpec, call_arguments, check_options, check_together, resolve_devices
 from .notebook import ipython_cells, profile_view, prompting
 from .wire import payload
 from .wire.errors import LaunchError, Stopped
@@ -66,6 +66,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     the job says why it is stuck (``job.why()``: which ranks wait in which collective, which rank has not joined
     it and where it is) and goes on; 0 or None: never.
     """
+    args, kwargs = call_arguments("launch", args, kwargs)
     check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
     callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
     check_together(debug=debug, detach=detach, executor=executor, nnodes=nnodes,
@@ -74,7 +75,7 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
                 master_addr=master_addr, export=export, executor=executor, force=force, wait=wait)
-    task = payload.CallTask(fn, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn))
+    task = payload.CallTask(fn, args, kwargs, False, payload.sources_for(fn))
     if detach:
         return submit_detached(spec, task)
     options = JobOptions(max_restarts=max_restarts, hang_after=hang_after or None, keep_failed_rank=debug,
@@ -136,10 +137,13 @@ def spawn(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, da
     Returns the per-rank return values, or with ``join=False`` a handle whose
     ``join()`` waits (``daemon`` and ``start_method`` are accepted and ignored).
     """
+    args, _ = call_arguments("spawn", args)
+    if type(nprocs) is not int or nprocs < 1:
+        raise LaunchError(f"spawn(nprocs=...) is the number of processes, a positive integer, not {nprocs!r}")
     # As under mp.spawn, every process sees every GPU and picks its own.
     spec = JobSpec(world_size=nprocs, gpus=[g.visible_id for g in gpu_discovery.discover()] or None, backend="gloo",
                    init_group=False)
-    task = payload.CallTask(fn, tuple(args), {}, True, payload.sources_for(fn))
+    task = payload.CallTask(fn, args, {}, True, payload.sources_for(fn))
     if join:
         return run_job(spec, task)
     return SpawnContext(start_job(prepare_job(spec, task, on_pool=False, background=True),

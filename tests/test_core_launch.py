@@ -92,6 +92,26 @@ def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_lefto
     assert time.time() - started < 20
 
 
+@pytest.mark.parametrize("call, refused", [
+    (lambda: ddp_notebook.launch(_asks_for_input, "data.csv", cpus=2),
+     "launch(args=...) takes a tuple of fn's positional arguments, not str 'data.csv': for one argument write "
+     "args=('data.csv',)"),
+    (lambda: ddp_notebook.launch(_asks_for_input, 30, 1000, cpus=2),
+     "launch(args=...) takes a tuple of fn's positional arguments, not int 30: for one argument write args=(30,)"),
+    (lambda: ddp_notebook.launch(_asks_for_input, (), [("lr", 0.1)], cpus=2),
+     "launch(kwargs=...) takes a dict of fn's keyword arguments by name, not list [('lr', 0.1)]"),
+    (lambda: ddp_notebook.spawn(_asks_for_input, args=4),
+     "spawn(args=...) takes a tuple of fn's positional arguments, not int 4: for one argument write args=(4,)"),
+    (lambda: ddp_notebook.spawn(_asks_for_input, nprocs="2"),
+     "spawn(nprocs=...) is the number of processes, a positive integer, not '2'"),
+])
+def test_arguments_that_are_no_tuple_or_dict_are_refused_before_any_rank_starts(call, refused, no_leftovers):
+    # ("data.csv") is a string: it would reach the function as eight one-character arguments
+    with pytest.raises(LaunchError) as info:
+        call()
+    assert str(info.value) == refused
+
+
 def _asks_for_input():
     return input("learning rate? ")
 

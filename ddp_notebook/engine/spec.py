@@ -262,6 +262,19 @@ def _reserve_named(chosen: list, force: bool, notes: list[str]):
     return reservation
 
 
+def call_arguments(call: str, args: Any, kwargs: Any = None) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of ``launch``/``spawn`` as a tuple and a dict, or a :class:`LaunchError` that says how
+    to write them, before any rank starts: ``args=("data.csv")`` is a string, which would reach ``fn`` as one
+    argument a character, and ``args=4`` (``mp.spawn``'s ``nprocs`` in the wrong place) is no sequence at all."""
+    if not isinstance(args, (tuple, list)):
+        raise LaunchError(f"{call}(args=...) takes a tuple of fn's positional arguments, not {type(args).__name__} "
+                          f"{args!r:.60}: for one argument write args=({args!r:.60},)")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(name, str) for name in kwargs)):
+        raise LaunchError(f"{call}(kwargs=...) takes a dict of fn's keyword arguments by name, not "
+                          f"{type(kwargs).__name__} {kwargs!r:.60}")
+    return tuple(args), dict(kwargs or {})
+
+
 def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None, *,
                   max_restarts: Any = 0, nnodes: int = 1) -> None:
     """Refuse malformed job options before anything starts."""

@@ -12,7 +12,7 @@ from .engine import devices as gpu_discovery
 from .engine import multinode, pool, profiling, slurm
 from .engine import template as rank_template
 from .engine.local import LocalRanks
-from .engine.callbacks import resolve as resolve_callback
+from .engine.callbacks import resolve_all as resolve_callbacks
 from .engine.job import Job, JobOptions, background_jobs, last_job, observe_jobs  # noqa: F401 (the package API)
 from .engine.output import OutputRelay, RankLogs
 from .engine.spec import JobSpec, call_arguments, check_options, check_together, resolve_devices
@@ -67,8 +67,9 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     it and where it is) and goes on; 0 or None: never.
     """
     args, kwargs = call_arguments("launch", args, kwargs)
-    check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes)
-    callbacks = [resolve_callback(c) for c in callbacks]  # a logger that cannot log is refused now
+    check_options(port, seed, timeout, max_restarts=max_restarts, nnodes=nnodes, hang_after=hang_after,
+                  log_dir=log_dir)
+    callbacks = resolve_callbacks(callbacks)  # a logger that cannot log is refused now
     check_together(debug=debug, detach=detach, executor=executor, nnodes=nnodes,
                    flag=lambda name: f"{name}=True" if name in ("debug", "detach") else f"{name}=")
     profile = profiling.checked(profile, nnodes=nnodes, executor=executor, detach=detach)

@@ -104,12 +104,27 @@ def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_lefto
      "spawn(args=...) takes a tuple of fn's positional arguments, not int 4: for one argument write args=(4,)"),
     (lambda: ddp_notebook.spawn(_asks_for_input, nprocs="2"),
      "spawn(nprocs=...) is the number of processes, a positive integer, not '2'"),
+    # (a negative hang_after used to be taken: the job explained a hang at once, while nothing hung)
+    (lambda: ddp_notebook.launch(_asks_for_input, cpus=2, hang_after=-5),
+     "hang_after must be a positive number of seconds (0 or None: never), not -5"),
+    (lambda: ddp_notebook.launch(_asks_for_input, cpus=2, log_dir=5), "log_dir must be a folder's path, not int 5"),
 ])
 def test_arguments_that_are_no_tuple_or_dict_are_refused_before_any_rank_starts(call, refused, no_leftovers):
     # ("data.csv") is a string: it would reach the function as eight one-character arguments
     with pytest.raises(LaunchError) as info:
         call()
     assert str(info.value) == refused
+
+
+def _reports_once():
+    ddp_notebook.report(step=1, loss=0.5)
+    return 1
+
+
+def test_one_callback_given_alone_counts_as_a_list_of_it(no_leftovers):
+    got = []
+    assert ddp_notebook.launch(_reports_once, cpus=2, callbacks=got.append) == [1, 1]
+    assert got == [{"step": 1, "loss": 0.5}]
 
 
 def _asks_for_input():

@@ -256,6 +256,7 @@ BAD_INPUTS = [
     ("--port 70000", "pass", "port must be between 1 and 65535"),
     ("--port 0", "pass", "port must be between 1 and 65535"),
     ("--timeout -3", "pass", "timeout must be a positive number of seconds"),
+    ("--hang-after -5", "pass", "hang_after must be a positive number of seconds (0 or None: never), not -5.0"),
     ("--seed abc", "pass", "invalid int value: 'abc'"),
     ("--seed -1", "pass", "seed must be a non-negative integer"),
     ("--backend mpi", "pass", "invalid choice: 'mpi'"),

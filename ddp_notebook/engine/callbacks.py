@@ -92,6 +92,14 @@ def resolve(callback: Any) -> Callable[[dict], None]:
     return callback
 
 
+def resolve_all(callbacks: Any) -> list[Callable[[dict], None]]:
+    """:func:`resolve` for each of ``callbacks``; one callback given alone (``callbacks=print``,
+    ``callbacks="wandb"``) counts as a list of it."""
+    if callable(callbacks) or isinstance(callbacks, (str, types.ModuleType)):
+        callbacks = [callbacks]
+    return [resolve(callback) for callback in callbacks]
+
+
 class Forwarder:
     """Sends updates to every callback; one that raises is reported once and dropped, training goes on."""
 

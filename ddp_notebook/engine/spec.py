@@ -276,7 +276,7 @@ def call_arguments(call: str, args: Any, kwargs: Any = None) -> tuple[tuple, dic
 
 
 def check_options(port: Any = None, seed: Any = None, timeout: Any = None, startup_timeout: Any = None, *,
-                  max_restarts: Any = 0, nnodes: int = 1) -> None:
+                  max_restarts: Any = 0, nnodes: int = 1, hang_after: Any = None, log_dir: Any = None) -> None:
     """Refuse malformed job options before anything starts."""
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise LaunchError(f"max_restarts must be a non-negative integer, not {max_restarts!r}")
@@ -290,6 +290,11 @@ def check_options(port: Any = None, seed: Any = None, timeout: Any = None, start
     for name, value in (("timeout", timeout), ("startup_timeout", startup_timeout)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise LaunchError(f"{name} must be a positive number of seconds, not {value!r}")
+    if hang_after is not None and (isinstance(hang_after, bool) or not isinstance(hang_after, (int, float))
+                                   or not hang_after >= 0):
+        raise LaunchError(f"hang_after must be a positive number of seconds (0 or None: never), not {hang_after!r}")
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise LaunchError(f"log_dir must be a folder's path, not {type(log_dir).__name__} {log_dir!r:.60}")
 
 
 def check_together(*, debug: bool, detach: bool, executor: Any, nnodes: int, flag: Callable[[str], str]) -> None:

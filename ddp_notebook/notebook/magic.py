@@ -193,7 +193,7 @@ class DDPMagics(Magics):
         warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only, executor)
         try:
             job_spec.check_options(args.port, args.seed, args.timeout, max_restarts=args.max_restarts,
-                                   nnodes=args.nnodes)
+                                   nnodes=args.nnodes, hang_after=args.hang_after)
             if not args.grace > 0:
                 raise LaunchError(f"--grace must be a positive number of seconds, not {args.grace:g}")
             cell_reading.check_syntax(cell, 1, label)

@@ -37,28 +37,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("browser"))
 
 
-def _machine_busy_s() -> float:
-    """CPU-seconds the whole machine has spent busy since boot (every process: kernels, ranks, browsers, daemons)."""
+def _machine_counts() -> tuple[float, int]:
+    """CPU-seconds the whole machine has spent busy since boot (every process: kernels, ranks, browsers, daemons),
+    and the processes and threads it has made."""
     with open("/proc/stat") as handle:
-        fields = [int(field) for field in handle.readline().split()[1:]]
+        lines = handle.read().splitlines()
+    fields = [int(field) for field in lines[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    made = next(int(line.split()[1]) for line in lines if line.startswith("processes "))
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), made
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With ``DDP_NOTEBOOK_TEST_CPU_LOG=path``, one line a test: its wall time and the machine's CPU-seconds meanwhile
-    (what the suite's time is made of; run alone on an otherwise idle machine)."""
+    """With ``DDP_NOTEBOOK_TEST_CPU_LOG=path``, one line a test: its wall time, the machine's CPU-seconds and the
+    processes and threads made meanwhile (what the suite's time is made of; run alone on an otherwise idle machine)."""
     log = os.environ.get("DDP_NOTEBOOK_TEST_CPU_LOG")
     if not log:
         yield
         return
     import time
 
-    started, busy = time.monotonic(), _machine_busy_s()
+    started, (busy, made) = time.monotonic(), _machine_counts()
     yield
+    busy_now, made_now = _machine_counts()
     with open(log, "a") as handle:
-        handle.write(f"{time.monotonic() - started:.2f}\t{_machine_busy_s() - busy:.2f}\t{item.nodeid}\n")
+        handle.write(f"{time.monotonic() - started:.2f}\t{busy_now - busy:.2f}\t{made_now - made}\t{item.nodeid}\n")
 
 
 def rank_processes():

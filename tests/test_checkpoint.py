@@ -336,10 +336,12 @@ def test_resuming_on_another_world_size_says_so_once_at_the_users_line(tmp_path,
 KILLED_SAVE = textwrap.dedent("""
     import os, sys, torch, ddp_notebook
     path, signal_file = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, sys.argv[3])
+    from checkpoint_pause import pause_before_rename
     model = torch.nn.Linear(4, 2)
     torch.nn.init.constant_(model.weight, 1.0)
     ddp_notebook.save_checkpoint(path, model, epoch=1)
-    os.environ["DDP_NOTEBOOK_TEST_PAUSE_BEFORE_RENAME"] = signal_file
+    pause_before_rename(path, signal_file)
     torch.nn.init.constant_(model.weight, 2.0)
     ddp_notebook.save_checkpoint(path, model, epoch=2)
     print("the rename happened", flush=True)
@@ -349,7 +351,8 @@ KILLED_SAVE = textwrap.dedent("""
 def test_sigkill_between_write_and_rename_leaves_the_previous_checkpoint(tmp_path):
     path, signal_file = tmp_path / "model.pt", tmp_path / "paused.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(path), str(signal_file)], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(path), str(signal_file), os.path.dirname(__file__)],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while not signal_file.exists() and proc.poll() is None and time.time() < deadline:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import ddp_notebook
 from ddp_notebook.rank import background_saves, checkpoint
+from checkpoint_pause import pause_before_rename
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -342,7 +343,7 @@ def _saves_then_paused_in_the_background(path, signal_file):
     torch.save(torch.get_rng_state(), f"{signal_file}.rng{dist.get_rank()}")  # this rank's RNG at the first save
     ddp_notebook.save_checkpoint(path, model, epoch=1)
     torch.rand(3)  # (the second save's RNG state differs)
-    os.environ[checkpoint.PAUSE_BEFORE_RENAME_ENV] = signal_file
+    pause_before_rename(path, signal_file)
     with torch.no_grad():
         model.module.weight.fill_(2.0)
     ddp_notebook.save_checkpoint(path, model, epoch=2, background=True)
@@ -543,13 +544,15 @@ def test_a_graceful_stop_ends_the_task_once_its_background_write_is_on_disk(tmp_
 # -- the kernel interrupted during a background write ---------------------------------------------------------
 
 INTERRUPTED_CELL = '''%%ddp --cpus 2
-import os, time
+import os, sys, time
 from torch.nn.parallel import DistributedDataParallel as DDP
 model = DDP(torch.nn.Linear(4, 2))
 with torch.no_grad():
     model.module.weight.fill_(1.0)
 ddp_notebook.save_checkpoint({path!r}, model, epoch=1)
-os.environ[{pause_env!r}] = {signal_file!r}  # rank 0's write stops before its rename, for the interrupt to come
+sys.path.insert(0, {tests!r})
+from checkpoint_pause import pause_before_rename
+pause_before_rename({path!r}, {signal_file!r})  # rank 0's write stops before its rename, for the interrupt to come
 with torch.no_grad():
     model.module.weight.fill_(2.0)
 ddp_notebook.save_checkpoint({path!r}, model, epoch=2, background=True)
@@ -565,7 +568,7 @@ def test_the_kernel_interrupted_during_a_background_write_leaves_the_previous_ch
     path, signal_file = str(tmp_path / "model.pt"), str(tmp_path / "paused.json")
     with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
         msg_id, pids = run_until_pids(kc, INTERRUPTED_CELL.format(path=path, signal_file=signal_file,
-                                                                   pause_env=checkpoint.PAUSE_BEFORE_RENAME_ENV))
+                                                                   tests=os.path.dirname(__file__)))
         deadline = time.monotonic() + 60
         while not os.path.exists(signal_file) and time.monotonic() < deadline:
             time.sleep(0.05)

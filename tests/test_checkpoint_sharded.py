@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import ddp_notebook
 from ddp_notebook.rank import checkpoint
+from checkpoint_pause import pause_before_rename
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -322,7 +323,7 @@ def _saves_then_pauses(path, signal_file):
         for p in model.parameters():
             p.fill_(1.0)
     ddp_notebook.save_checkpoint(path, model, epoch=1)
-    os.environ[checkpoint.PAUSE_BEFORE_RENAME_ENV] = signal_file
+    pause_before_rename(path, signal_file)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(2.0)

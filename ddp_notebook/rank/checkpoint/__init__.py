@@ -25,8 +25,7 @@ from __future__ import annotations
 from ..background_saves import BackgroundSaveError, StagingMemoryError
 from ...wire.payload import unwrap_model
 from .best import BestCheckpoint
-from .format import (ARRIVAL_TIMEOUT_ENV, ARRIVAL_TIMEOUT_S, FORMAT, PAUSE_BEFORE_RENAME_ENV,
-                     RNG_FORMAT, RNG_SAVES_FORMAT, RNG_SAVES_KEPT, SAVE_FOLDER_PREFIX, SHARDED_FORMAT, SHARDED_INDEX,
+from .format import (ARRIVAL_TIMEOUT_ENV, ARRIVAL_TIMEOUT_S, FORMAT, RNG_FORMAT, RNG_SAVES_FORMAT, RNG_SAVES_KEPT, SAVE_FOLDER_PREFIX, SHARDED_FORMAT, SHARDED_INDEX,
                      SHARDED_META)
 from .keys import clean_state_dict
 from .loading import LoadedCheckpoint, ResumeWarning, StartEpoch, load_checkpoint, rank_device, resume
@@ -38,6 +37,6 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "resume", "wait_for_checkpoints", "BestCheckpoint", "LoadedCheckpoint",
     "StartEpoch", "ResumeWarning", "BackgroundSaveError", "StagingMemoryError", "clean_state_dict", "unwrap_model",
     "is_sharded", "rank_device", "rng_path", "rng_state", "set_rng_state",
-    "FORMAT", "RNG_FORMAT", "RNG_SAVES_FORMAT", "RNG_SAVES_KEPT", "PAUSE_BEFORE_RENAME_ENV", "SHARDED_FORMAT",
+    "FORMAT", "RNG_FORMAT", "RNG_SAVES_FORMAT", "RNG_SAVES_KEPT", "SHARDED_FORMAT",
     "SHARDED_INDEX", "SHARDED_META", "SAVE_FOLDER_PREFIX", "ARRIVAL_TIMEOUT_ENV", "ARRIVAL_TIMEOUT_S",
 ]

@@ -2,38 +2,20 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
-import time
 from typing import Any
 
 import torch
 
 from ...wire import safe_files
-from .format import PAUSE_BEFORE_RENAME_ENV
 
 
-def pause_before_rename(temp: str, path: str) -> None:
-    signal_file = os.environ.get(PAUSE_BEFORE_RENAME_ENV)
-    if not signal_file:
-        return
-    size = os.path.getsize(temp)
-    note = json.dumps({"pid": os.getpid(), "temp": temp, "path": path, "size": size})
-    with open(signal_file + ".part", "w") as f:
-        f.write(note)
-    os.replace(signal_file + ".part", signal_file)
-    deadline = time.monotonic() + 120
-    while os.path.exists(signal_file) and time.monotonic() < deadline:
-        time.sleep(0.02)  # the test kills us here, or removes the file to let the rename happen
-
-
-def atomic_save(obj: Any, path: str, file_mode: int, test_hook: bool = False) -> None:
+def atomic_save(obj: Any, path: str, file_mode: int) -> None:
     """Write to a new temporary file (``O_EXCL``, a random name: never through a link another user planted),
     flush, fsync, then rename over ``path``: readers see old or new, never half.  The file gets ``file_mode``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        with safe_files.replace_atomically(path, file_mode,
-                                           (lambda temp: pause_before_rename(temp, path)) if test_hook else None) as f:
+        with safe_files.replace_atomically(path, file_mode) as f:
             torch.save(obj, f)
     except Exception as exc:
         full = _full_filesystem(exc, obj, path)

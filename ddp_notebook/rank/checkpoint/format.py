@@ -5,8 +5,6 @@ FORMAT = "ddp_notebook.checkpoint/1"
 RNG_FORMAT = "ddp_notebook.rng/1"  # a rank's RNG state in a sharded checkpoint's save folder
 RNG_SAVES_FORMAT = "ddp_notebook.rng_saves/1"  # a rank's RNG file beside a one-file checkpoint (RNG_FORMAT: read)
 RNG_SAVES_KEPT = 3  # a rank's RNG file keeps its last saves' states: the model file may still name an older one
-# Test hook: after the temporary file is written and fsynced, write this file and wait before the rename.
-PAUSE_BEFORE_RENAME_ENV = "DDP_NOTEBOOK_TEST_PAUSE_BEFORE_RENAME"
 SHARDED_FORMAT = "ddp_notebook.sharded_checkpoint/1"
 SHARDED_INDEX = "checkpoint.json"  # in a sharded checkpoint's directory: names its one complete save
 SHARDED_META = "meta.pt"  # in each save's folder: epoch, sampler epoch, world size, extra values

@@ -118,7 +118,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
     def write() -> None:
         if checkpoint is not None:
-            atomic_save(checkpoint, path, file_mode, test_hook=True)
+            atomic_save(checkpoint, path, file_mode)
         save_rng(rng_path(path, rank), rank, tag, rng, file_mode)
 
     if key is None:

@@ -24,7 +24,7 @@ from ..background_saves import StagingMemoryError
 from ..data import rank_and_world_size
 from ...wire import safe_files
 from ...wire.payload import unwrap_model
-from .files import atomic_save, pause_before_rename
+from .files import atomic_save
 from .format import (ARRIVAL_TIMEOUT_ENV, ARRIVAL_TIMEOUT_S, RNG_FORMAT, SAVE_FOLDER_PREFIX, SHARDED_FORMAT,
                      SHARDED_INDEX, SHARDED_META)
 from .keys import clean_state_dict, strip_key
@@ -234,7 +234,6 @@ def _commit(path: str, meeting: _Meeting, file_mode: int) -> None:
     try:
         folder = os.path.join(path, meeting.folder_name)
         _set_file_modes(folder, file_mode)  # (torch.distributed.checkpoint wrote its files with the umask)
-        pause_before_rename(folder, path)
         index = os.path.join(path, SHARDED_INDEX)
         with safe_files.replace_atomically(index, file_mode) as f:
             f.write(json.dumps({"format": SHARDED_FORMAT, "current": meeting.folder_name}).encode())

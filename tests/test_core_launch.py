@@ -66,23 +66,25 @@ def test_launch_runs_on_every_rank_with_the_torchrun_contract(no_leftovers, monk
     assert out[0]["env"]["MASTER_PORT"] == out[1]["env"]["MASTER_PORT"]
 
 
-def _fails_on_rank_1():
+def _fails_on_rank_1(report_late_s: float = 0):
     import torch
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
+        if report_late_s:  # the others lose this rank first; its own failure arrives that much later
+            dist.destroy_process_group()
+            time.sleep(report_late_s)
         raise ValueError("rank one is broken")
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that never comes
 
 
 @pytest.mark.slow
-def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_leftovers, monkeypatch):
+def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_leftovers):
     # The failing rank closes its process group first and reports 1.5 s later, so rank 0's
     # lost-peer error reaches the notebook first: first-come blame would name rank 0.
-    monkeypatch.setenv("DDP_NOTEBOOK_TEST_DELAY_FAILURE_REPORT", "1.5")
     started = time.time()
     with pytest.raises(RankError) as info:
-        ddp_notebook.launch(_fails_on_rank_1, cpus=2)
+        ddp_notebook.launch(_fails_on_rank_1, (1.5,), cpus=2)
     err = info.value
     assert err.rank == 1
     assert "ValueError: rank one is broken" in str(err)

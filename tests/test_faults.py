@@ -25,24 +25,28 @@ REPEATS = int(os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS", "1"))
 pytestmark = [pytest.mark.timeout(300 * REPEATS), pytest.mark.slow]  # kernel tests are marked one by one
 
 
-def _blocked_bystanders():
+def _blocked_bystanders(report_late_s: float = 0):
+    import time
+
     import torch
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
+        if report_late_s:  # the others lose this rank first; its own failure arrives that much later
+            dist.destroy_process_group()
+            time.sleep(report_late_s)
         raise ZeroDivisionError("rank 1 divided by zero")
     dist.all_reduce(torch.ones(1))
 
 
 @pytest.mark.parametrize("late_report", [False, True])
-def test_a_raising_rank_is_blamed_and_everyone_stops(no_leftovers, monkeypatch, late_report):
-    if late_report:  # the failing rank's report arrives after the bystanders' lost-peer errors
-        monkeypatch.setenv("DDP_NOTEBOOK_TEST_DELAY_FAILURE_REPORT", "1.0")
+def test_a_raising_rank_is_blamed_and_everyone_stops(no_leftovers, late_report):
+    # late_report: the failing rank's report arrives after the bystanders' lost-peer errors
     runs = 10 * REPEATS if os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS") else 2
     correct = 0
     for _ in range(runs):
         with pytest.raises(RankError) as info:
-            ddp_notebook.launch(_blocked_bystanders, cpus=3)
+            ddp_notebook.launch(_blocked_bystanders, (1.0 if late_report else 0,), cpus=3)
         err = info.value
         stopped_after = time.time() - err.failure.time
         correct += err.rank == 1 and "ZeroDivisionError: rank 1 divided by zero" in str(err) \

@@ -307,22 +307,6 @@ def failure_report(exc: BaseException, labels: dict, kind: str | None = None) ->
     }
 
 
-def _report_failure(sender, body: dict) -> None:
-    # Fault injection for the blame tests: make this rank's report arrive late,
-    # after the bystanders' lost-peer errors.
-    delay = float(os.environ.get("DDP_NOTEBOOK_TEST_DELAY_FAILURE_REPORT", "0") or 0)
-    if delay and body["kind"] == "user":
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
-        time.sleep(delay)
-    sender.send(protocol.FAILED, body)
-
-
 def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None = None, namespace: dict | None = None,
              interruptible: threading.Event | None = None) -> dict | None:
     """Run one task as every rank runs it (a notebook's rank, or an exported script's under torchrun).
@@ -381,7 +365,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         if failure["kind"] == "user":
             debugging.keep_failure(task_id, exc)  # for the debugger post mortem (DEBUG), until the next task
         if sender is not None:
-            _report_failure(sender, failure)
+            sender.send(protocol.FAILED, failure)
     if sender is not None:
         sender.flush()
     return failure
@@ -492,7 +476,7 @@ def serve(boot: protocol.RankStart) -> None:
     try:
         _init_process_group(boot, ctx)
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported
-        _report_failure(sender, failure_report(exc, {}, kind="startup"))
+        sender.send(protocol.FAILED, failure_report(exc, {}, kind="startup"))
         sender.flush()
         os._exit(1)
     sender.send(protocol.READY, {})

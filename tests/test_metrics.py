@@ -259,6 +259,18 @@ def test_status_line_and_eta():
     assert len(out.getvalue().splitlines()) == 2  # step-wise lines are paced; the last one is kept
 
 
+def test_a_value_that_is_no_number_is_refused_naming_its_shape():
+    import torch
+
+    for value, said in ((torch.tensor([1.0, 2.0]), "a Tensor of shape (2,): report its mean (.mean()) or one element of "
+                                                   "it"),
+                        (np.zeros(3), "a ndarray of shape (3,): report its mean (.mean()) or one element of it"),
+                        ("abc", "a str"), (None, "None")):
+        with pytest.raises(TypeError) as info:
+            metrics.report(step=1, loss=value)
+        assert str(info.value) == f"report(loss=...) takes a number or a one-element tensor, not {said}"
+
+
 def test_status_counts_how_far_the_axis_came_not_how_many_reports():
     # report(step=s, steps=200) every 10 steps: the status said "step 10/200" and an ETA 20x too long.
     from ddp_notebook.engine.history import Reducer

@@ -82,9 +82,11 @@ def _number(name: str, value: Any) -> float | int:
         return value
     try:
         return float(value)  # bools, numpy scalars, one-element tensors
-    except (TypeError, ValueError):
-        raise TypeError(f"report({name}=...) takes a number or a one-element tensor, "
-                        f"not {type(value).__name__}") from None
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of several elements raises RuntimeError)
+        shape = getattr(value, "shape", None)
+        what = "None" if value is None else f"a {type(value).__name__}" + (
+            f" of shape {tuple(shape)}: report its mean (.mean()) or one element of it" if shape is not None else "")
+        raise TypeError(f"report({name}=...) takes a number or a one-element tensor, not {what}") from None
 
 
 def _values(metrics: dict) -> tuple[dict, list]:

@@ -38,6 +38,24 @@ def test_job_logs_hold_the_lines_the_cell_elided_and_log_dir_writes_them_all(tmp
     assert sorted(os.listdir(log_dir)) == ["rank0.log", "rank1.log"]
 
 
+def _says_hello():
+    import torch.distributed as dist
+
+    print("hello from", dist.get_rank())
+
+
+def test_the_logs_of_a_rank_the_job_does_not_have_are_refused(no_leftovers):
+    import ddp_notebook
+
+    job = ddp_notebook.launch(_says_hello, cpus=2, background=True)
+    job.wait(timeout=120)
+    assert [job.logs(rank) for rank in (0, 1)] == ["hello from 0\n", "hello from 1\n"]
+    for rank in (2, -1, "0"):
+        with pytest.raises(ValueError) as info:
+            job.logs(rank)
+        assert str(info.value) == f"job #{job.task_id} has ranks 0 to 1: no rank {rank!r}"
+
+
 def test_a_rank_log_keeps_its_newest_16_mb(monkeypatch):
     monkeypatch.setattr(output, "LOG_BYTES_PER_RANK", 1000)
     relay = output.OutputRelay(io.StringIO(), io.StringIO())

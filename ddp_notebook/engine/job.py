@@ -288,6 +288,9 @@ class Job(EventSource):
     def logs(self, rank: int) -> str:
         """Rank ``rank``'s complete output so far (stdout and stderr, its newest 16 MB), including the lines the
         cell elided or did not show (``--output 0``)."""
+        world_size = self.spec.world_size
+        if type(rank) is not int or not 0 <= rank < world_size:
+            raise ValueError(f"job #{self.task_id} has ranks 0 to {world_size - 1}: no rank {rank!r}")
         return self.relay.log(rank)
 
     @property

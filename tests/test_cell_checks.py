@@ -158,7 +158,11 @@ def test_return_names_the_ranks_that_assigned_help_of_the_line_form_and_builtin_
         assert helps[0].split("File:")[0] == helps[1].split("File:")[0]
         reply, told = run_cell(kc, "%ddp --cpus 2")
         assert reply["status"] == "error" and "UsageError: %%ddp runs the cell below its line: write %%ddp --cpus 2 " \
-                                              "as the cell's first line, with two %" in told, told
+                                              "as the cell's first line, with two % (%ddp? shows" in told, told
+        reply, told = run_cell(kc, "%ddp --cpus 2 --seed 777 print(rank, 'x y')")  # flags and code on one line
+        assert reply["status"] == "error" and "UsageError: %%ddp runs the cell below its line: write %%ddp --cpus 2 " \
+                                              "--seed 777 as the cell's first line, with two %, and print(rank, 'x y') " \
+                                              "below it (%ddp? shows its flags)" in told, told
 
         # a --return name the cell never binds: refused before any rank starts, naming it
         reply, told = run_cell(kc, "%%ddp --cpus 2 --return x,nothere\nimport os\nx = os.getpid()\n"

@@ -6,6 +6,7 @@ import builtins
 import functools
 import linecache
 import math
+import re
 import sys
 import time
 import warnings
@@ -36,6 +37,19 @@ def parse_flags(magic, line: str):
         if isinstance(value, list):
             args.__dict__[name] = list(value)  # the cached lists stay as parsed
     return args
+
+
+def _flags_and_code(magic, line: str) -> tuple[str, str]:
+    """A one-line ``%ddp --cpus 2 print(rank)`` as its flags and its code: the longest start of it that parses as
+    flags, and the rest."""
+    starts = [match.start() for match in re.finditer(r"\S+", line)] + [len(line)]
+    for start in reversed(starts):
+        try:
+            _parsed_flags(magic, line[:start].strip())
+        except (UsageError, ValueError):  # (ValueError: arg_split's unbalanced quotes)
+            continue
+        return line[:start].strip(), line[start:].strip()
+    return "", line.strip()
 
 
 @functools.lru_cache(maxsize=32)
@@ -179,8 +193,10 @@ class DDPMagics(Magics):
         if "$" in line or "{" in line:  # IPython's $name and {expression}; its own expansion copies user_ns
             line = self.shell.var_expand(line, 2)  # (2: the cell's frame, below run_cell_magic and this)
         if cell is None:
-            raise UsageError(f"%%ddp runs the cell below its line: write %%ddp{' ' + line if line.strip() else ''} "
-                             f"as the cell's first line, with two % (%ddp? shows its flags)")
+            flags, code = _flags_and_code(self.ddp, line)
+            below = f", and {code} below it" if code else ""
+            raise UsageError(f"%%ddp runs the cell below its line: write %%ddp{' ' + flags if flags else ''} "
+                             f"as the cell's first line, with two %{below} (%ddp? shows its flags)")
         args = parse_flags(self.ddp, line)
         returns = _parse_returns(args.returns)
         if not cell.strip():

@@ -27,23 +27,17 @@ def pause_before_rename(path, signal_file) -> None:
         if where == checkpoint_file:
             return replace_atomically(target, mode, lambda temp: _pause(temp, checkpoint_file, signal_file))
         if where == sharded_index:
-            return replace_atomically(target, mode, lambda temp: _pause(_new_save(checkpoint_file), checkpoint_file,
-                                                                        signal_file))
+            return replace_atomically(target, mode, lambda temp: _pause(_new_save(checkpoint_file, temp),
+                                                                        checkpoint_file, signal_file))
         return replace_atomically(target, mode, before_rename)
 
     safe_files.replace_atomically = paused
 
 
-def _new_save(folder: str) -> str:
-    """The save folder of a sharded checkpoint that its index does not name yet (the one being committed)."""
-    try:
-        with open(os.path.join(folder, checkpoint.SHARDED_INDEX)) as f:
-            current = json.load(f)["current"]
-    except FileNotFoundError:
-        current = None
-    saves = [os.path.join(folder, name) for name in os.listdir(folder)
-             if name.startswith(checkpoint.SAVE_FOLDER_PREFIX) and name != current]
-    return max(saves, key=os.path.getmtime)
+def _new_save(folder: str, new_index: str) -> str:
+    """The save folder the new index (written, not yet renamed into place) names: the one being committed."""
+    with open(new_index) as f:
+        return os.path.join(folder, json.load(f)["current"])
 
 
 def _pause(temp: str, path: str, signal_file) -> None:

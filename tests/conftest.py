@@ -37,6 +37,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("browser"))
 
 
+CPU_LOG = os.environ.pop("DDP_NOTEBOOK_TEST_CPU_LOG", None)  # (a pytest these tests start logs nothing twice)
+
+
 def _machine_counts() -> tuple[float, int]:
     """CPU-seconds the whole machine has spent busy since boot (every process: kernels, ranks, browsers, daemons),
     and the processes and threads it has made."""
@@ -52,7 +55,7 @@ def _machine_counts() -> tuple[float, int]:
 def pytest_runtest_protocol(item, nextitem):
     """With ``DDP_NOTEBOOK_TEST_CPU_LOG=path``, one line a test: its wall time, the machine's CPU-seconds and the
     processes and threads made meanwhile (what the suite's time is made of; run alone on an otherwise idle machine)."""
-    log = os.environ.get("DDP_NOTEBOOK_TEST_CPU_LOG")
+    log = CPU_LOG
     if not log:
         yield
         return

@@ -163,6 +163,9 @@ def test_return_names_the_ranks_that_assigned_help_of_the_line_form_and_builtin_
         assert reply["status"] == "error" and "UsageError: %%ddp runs the cell below its line: write %%ddp --cpus 2 " \
                                               "--seed 777 as the cell's first line, with two %, and print(rank, 'x y') " \
                                               "below it (%ddp? shows its flags)" in told, told
+        reply, told = run_cell(kc, "%ddp --seed abc print(1)")  # a flag that does not parse is no code
+        assert reply["status"] == "error" and "UsageError: %%ddp runs the cell below its line: write %%ddp --seed abc " \
+                                              "print(1) as the cell's first line, with two % (%ddp? shows" in told, told
 
         # a --return name the cell never binds: refused before any rank starts, naming it
         reply, told = run_cell(kc, "%%ddp --cpus 2 --return x,nothere\nimport os\nx = os.getpid()\n"

@@ -110,12 +110,18 @@ def test_blame_names_the_failing_rank_even_when_its_report_arrives_last(no_lefto
     (lambda: ddp_notebook.launch(_asks_for_input, cpus=2, hang_after=-5),
      "hang_after must be a positive number of seconds (0 or None: never), not -5"),
     (lambda: ddp_notebook.launch(_asks_for_input, cpus=2, log_dir=5), "log_dir must be a folder's path, not int 5"),
+    (lambda: ddp_notebook.export(_asks_for_input, "never_written.py", "data.csv"),
+     "export(args=...) takes a tuple of fn's positional arguments, not str 'data.csv': for one argument write "
+     "args=('data.csv',)"),
+    (lambda: ddp_notebook.follow("never_made", hang_after=-1),
+     "hang_after must be a positive number of seconds (0 or None: never), not -1"),
 ])
 def test_arguments_that_are_no_tuple_or_dict_are_refused_before_any_rank_starts(call, refused, no_leftovers):
     # ("data.csv") is a string: it would reach the function as eight one-character arguments
     with pytest.raises(LaunchError) as info:
         call()
     assert str(info.value) == refused
+    assert not os.path.exists("never_written.py") and not os.path.exists("never_made")
 
 
 def _reports_once():
@@ -127,6 +133,15 @@ def test_one_callback_given_alone_counts_as_a_list_of_it(no_leftovers):
     got = []
     assert ddp_notebook.launch(_reports_once, cpus=2, callbacks=got.append) == [1, 1]
     assert got == [{"step": 1, "loss": 0.5}]
+    from ddp_notebook.engine.callbacks import Forwarder, as_list
+
+    assert as_list(print) == [print] and as_list("wandb") == ["wandb"] and as_list((print, got.append)) == [
+        print, got.append] and as_list(c for c in [print]) == [print]
+    Forwarder(got.append).send([{"step": 2}])
+    assert got[-1] == {"step": 2}
+    with pytest.raises(TypeError) as info:
+        Forwarder(5)
+    assert str(info.value) == "a callback must be callable (one dict argument) or 'wandb', not 5"
 
 
 def _asks_for_input():

@@ -3,6 +3,7 @@ import io
 import os
 import re
 
+import numpy as np
 import pytest
 
 from ddp_notebook.engine import output
@@ -50,7 +51,8 @@ def test_the_logs_of_a_rank_the_job_does_not_have_are_refused(no_leftovers):
     job = ddp_notebook.launch(_says_hello, cpus=2, background=True)
     job.wait(timeout=120)
     assert [job.logs(rank) for rank in (0, 1)] == ["hello from 0\n", "hello from 1\n"]
-    for rank in (2, -1, "0"):
+    assert job.logs(np.int64(1)) == "hello from 1\n"  # (a numpy integer is a rank too)
+    for rank in (2, -1, "0", True):
         with pytest.raises(ValueError) as info:
             job.logs(rank)
         assert str(info.value) == f"job #{job.task_id} has ranks 0 to 1: no rank {rank!r}"

@@ -284,9 +284,19 @@ def test_status_counts_how_far_the_axis_came_not_how_many_reports():
             reducer.add(rank, {"key": "step", "x": step, "total": 200, "values": {"loss": 1.0}})
     # 91 steps done (0 to 90) in 9.1 s: 109 to go take 10.9 s.
     assert status.line(reducer, 109.1) == "2/2 ranks alive · step 91/200 · 0:09 elapsed · ETA 0:11"
-    for rank in (0, 1):  # a replayed step (a restart) does not count twice
-        reducer.add(rank, {"key": "step", "x": 50, "total": 200, "values": {"loss": 2.0}})
+    reducer.new_attempt()  # a restart on fresh ranks replays steps from a checkpoint: they do not count twice
+    for step in (50, 60):
+        for rank in (0, 1):
+            reducer.add(rank, {"key": "step", "x": step, "total": 200, "values": {"loss": 2.0}})
     assert reducer.done("step") == 91
+    assert status.line(reducer, 109.1).startswith("2/2 ranks alive · step 91/200 · ")
+    for rank in (0, 1):
+        reducer.add(rank, {"key": "step", "x": 1_999_999, "total": 2_000_000, "values": {"loss": 2.0}})
+    assert status.line(reducer, 109.1).startswith("2/2 ranks alive · step 2000000/2000000 · ")  # (not 2e+06)
+    baseline = Reducer(1)  # report(epoch=0) before training, then epochs 1 to 4 of epochs=4: not "epoch 5/4"
+    for epoch in range(5):
+        baseline.add(0, {"key": "epoch", "x": epoch, "total": 4, "values": {"val_loss": 1.0}})
+    assert dashboard.Status(world_size=1, started_at=100.0).line(baseline, 110.0).startswith("1/1 ranks alive · epoch 4/4")
 
     one_based = Reducer(1)
     for epoch in (1, 2):

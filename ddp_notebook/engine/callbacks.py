@@ -92,19 +92,24 @@ def resolve(callback: Any) -> Callable[[dict], None]:
     return callback
 
 
+def as_list(callbacks: Any) -> list:
+    """``callbacks`` as a list: one callback given alone (``callbacks=print``, ``callbacks="wandb"``) is a list of it
+    (as is anything else that is no list of them: :func:`resolve` then says what a callback must be)."""
+    if callable(callbacks) or isinstance(callbacks, (str, types.ModuleType)) or not isinstance(callbacks, Iterable):
+        return [callbacks]
+    return list(callbacks)
+
+
 def resolve_all(callbacks: Any) -> list[Callable[[dict], None]]:
-    """:func:`resolve` for each of ``callbacks``; one callback given alone (``callbacks=print``,
-    ``callbacks="wandb"``) counts as a list of it."""
-    if callable(callbacks) or isinstance(callbacks, (str, types.ModuleType)):
-        callbacks = [callbacks]
-    return [resolve(callback) for callback in callbacks]
+    """:func:`resolve` for each of ``callbacks`` (:func:`as_list`)."""
+    return [resolve(callback) for callback in as_list(callbacks)]
 
 
 class Forwarder:
     """Sends updates to every callback; one that raises is reported once and dropped, training goes on."""
 
     def __init__(self, callbacks: Iterable[Any] = ()):
-        self.callbacks = [resolve(c) for c in callbacks]
+        self.callbacks = resolve_all(callbacks)
 
     def send(self, updates: list[dict]) -> None:
         for callback in list(self.callbacks):

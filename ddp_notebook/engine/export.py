@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..wire import payload, safe_files, sharing
 from ..wire.errors import LaunchError
 from ..wire.versions import FORMAT, versions
-from .spec import check_options
+from .spec import call_arguments, check_options
 
 
 
@@ -224,7 +224,8 @@ def export(fn_or_task: Callable | payload.CellTask | payload.CallTask, path: str
     if isinstance(fn_or_task, (payload.CellTask, payload.CallTask)):
         task = fn_or_task
     elif callable(fn_or_task):
-        task = payload.CallTask(fn_or_task, tuple(args), dict(kwargs or {}), False, payload.sources_for(fn_or_task))
+        args, kwargs = call_arguments("export", args, kwargs)
+        task = payload.CallTask(fn_or_task, args, kwargs, False, payload.sources_for(fn_or_task))
     else:
         raise LaunchError(f"export takes a function (or a task), not {type(fn_or_task).__name__}")
     check_options(None, seed, timeout)

@@ -14,6 +14,7 @@ import ctypes
 import enum
 import functools
 import itertools
+import operator
 import os
 import signal
 import sys
@@ -289,9 +290,13 @@ class Job(EventSource):
         """Rank ``rank``'s complete output so far (stdout and stderr, its newest 16 MB), including the lines the
         cell elided or did not show (``--output 0``)."""
         world_size = self.spec.world_size
-        if type(rank) is not int or not 0 <= rank < world_size:
+        try:
+            index = operator.index(rank)  # (a numpy integer too)
+        except TypeError:
+            index = None
+        if index is None or isinstance(rank, bool) or not 0 <= index < world_size:
             raise ValueError(f"job #{self.task_id} has ranks 0 to {world_size - 1}: no rank {rank!r}")
-        return self.relay.log(rank)
+        return self.relay.log(index)
 
     @property
     def stopped_text(self) -> str | None:

@@ -101,6 +101,11 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def _amount(value: float) -> str:
+    """A count as people write it: 1000000 (not 1e+06), 2.5."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
 class Status:
     """Ranks alive, elapsed time, where the x axis stands and the ETA."""
 
@@ -152,12 +157,20 @@ class Status:
                 return key
         return None
 
+    @staticmethod
+    def done(reducer: Reducer, key: str) -> float:
+        """How far the ``key`` axis came (``Reducer.done``), at most its total: a baseline ``report(epoch=0)`` before
+        epochs 1 to 10 does not read 11/10."""
+        done = reducer.done(key)
+        total = reducer.totals.get(key)
+        return min(done, total) if total else done
+
     def eta(self, reducer: Reducer | None, now: float) -> float | None:
         key = self.primary_key(reducer)
         total = reducer.totals.get(key) if key else None
         if not total:
             return None
-        units = reducer.done(key)
+        units = self.done(reducer, key)
         if units >= total:
             return None
         if key == "epoch":
@@ -175,7 +188,7 @@ class Status:
         where = ""
         if key:
             total = reducer.totals.get(key)
-            where = f"{key} {reducer.done(key):g}" + (f"/{total}" if total else "")
+            where = f"{key} {_amount(self.done(reducer, key))}" + (f"/{total}" if total else "")
         if self.outcome is not None:
             end = self.ended_at or now
             parts = [self.outcome, f"{self.world_size} ranks"] + ([where] if where else []) + \
@@ -639,12 +652,12 @@ class DisplayView:
                 progress = dict(watcher.status.progress)
                 key = Status.primary_key(watcher.reducer)
                 total = watcher.reducer.totals.get(key) if key else None
-                done = watcher.reducer.done(key) if key else 0
+                done = Status.done(watcher.reducer, key) if key else 0
             if fraction is not None:
                 batches = max(total_batches for _, total_batches in progress.values())
                 lines.append(_text_bar(fraction, f"{round(fraction * batches)}/{batches} batches"))
             elif total:
-                lines.append(_text_bar(min(done / total, 1.0), f"{done:g}/{total} {TOTAL_KEYS[key]}"))
+                lines.append(_text_bar(min(done / total, 1.0), f"{_amount(done)}/{total} {TOTAL_KEYS[key]}"))
             if self.stop_hint:
                 button = "the Stop button, or " if self.stop_button is not None else ""
                 lines.append(f"stop it: {button}{self.stop_hint}")

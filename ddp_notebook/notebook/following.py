@@ -22,6 +22,8 @@ from ..wire import protocol
 from . import dashboard
 from ..wire.errors import Failure, FailureKind, RankError, blame
 from ..engine import hangs
+from ..engine.callbacks import as_list as callbacks_list
+from ..engine.spec import check_options
 from ..engine.job import EventSource
 from ..engine.runfiles import RunFiles, UntrustedRunFolder, message_of
 from ..wire.protocol import METRICS_PREFIX, METRICS_SUFFIX, SLURM_RUN_SUFFIX
@@ -59,7 +61,7 @@ class FollowedRun(EventSource):
         self.run_dir = run_dir
         self.run_id: str | None = None
         self.spec = RunSpec(0, 0)
-        self.callbacks = tuple(callbacks)  # given to its metrics once the run is found
+        self.callbacks = tuple(callbacks_list(callbacks))  # given to its metrics once the run is found
         self.listeners: list[Listener] = []
         self.started_at: float | None = None
         self.ended_at: float | None = None
@@ -215,6 +217,7 @@ def follow(run_dir: str, *, wait: bool = True, timeout: float | None = None, cal
     ``hang_after`` seconds is said to be stuck, with why (``run.why()``, from what its ranks wrote), once per
     hang; following goes on.
     """
+    check_options(None, None, timeout, hang_after=hang_after)
     run_dir = _run_dir_in(os.path.abspath(os.path.expanduser(os.fspath(run_dir))))
     run = FollowedRun(run_dir, callbacks, hang_after)
     started = time.monotonic()

@@ -194,6 +194,8 @@ class DDPMagics(Magics):
             line = self.shell.var_expand(line, 2)  # (2: the cell's frame, below run_cell_magic and this)
         if cell is None:
             flags, code = _flags_and_code(self.ddp, line)
+            if code.startswith("-"):  # a flag that did not parse (--seed abc): not code; the flags' error comes later
+                flags, code = line.strip(), ""
             below = f", and {code} below it" if code else ""
             raise UsageError(f"%%ddp runs the cell below its line: write %%ddp{' ' + flags if flags else ''} "
                              f"as the cell's first line, with two %{below} (%ddp? shows its flags)")

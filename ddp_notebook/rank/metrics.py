@@ -82,7 +82,7 @@ def _number(name: str, value: Any) -> float | int:
         return value
     try:
         return float(value)  # bools, numpy scalars, one-element tensors
-    except (TypeError, ValueError, RuntimeError):  # (a tensor of several elements raises RuntimeError)
+    except (TypeError, ValueError):
         shape = getattr(value, "shape", None)
         what = "None" if value is None else f"a {type(value).__name__}" + (
             f" of shape {tuple(shape)}: report its mean (.mean()) or one element of it" if shape is not None else "")

@@ -25,8 +25,8 @@ from __future__ import annotations
 from ..background_saves import BackgroundSaveError, StagingMemoryError
 from ...wire.payload import unwrap_model
 from .best import BestCheckpoint
-from .format import (ARRIVAL_TIMEOUT_ENV, ARRIVAL_TIMEOUT_S, FORMAT, RNG_FORMAT, RNG_SAVES_FORMAT, RNG_SAVES_KEPT, SAVE_FOLDER_PREFIX, SHARDED_FORMAT, SHARDED_INDEX,
-                     SHARDED_META)
+from .format import (ARRIVAL_TIMEOUT_ENV, ARRIVAL_TIMEOUT_S, FORMAT, RNG_FORMAT, RNG_SAVES_FORMAT, RNG_SAVES_KEPT,
+                     SAVE_FOLDER_PREFIX, SHARDED_FORMAT, SHARDED_INDEX, SHARDED_META)
 from .keys import clean_state_dict
 from .loading import LoadedCheckpoint, ResumeWarning, StartEpoch, load_checkpoint, rank_device, resume
 from .rng import rng_path, rng_state, set_rng_state

@@ -552,15 +552,16 @@ class Reducer:
 
     def done(self, key: str) -> float:
         """How far the ``key`` axis has come, in the units of its total (``report(steps=...)``): the highest x that
-        has a record, one more where whole x's begin at 0 (``report(step=0)`` is one step done). Reports made every
-        k steps count k steps each, and a replayed x does not count twice."""
+        has a record, one more where whole x's begin at 0 (``report(step=0)`` is one step done), and never past the
+        total (a baseline ``report(epoch=0)`` before epochs 1 to 10 is not 11 of 10). Reports made every k steps
+        count k steps each, and a replayed x does not count twice."""
         where = self._where.get(key)
         last = where.highest() if where is not None else None
         if last is None:
             return 0
-        if where.lowest() == 0 and key not in self._fractional:
-            return last + 1
-        return last
+        done = last + 1 if where.lowest() == 0 and key not in self._fractional else last
+        total = self.totals.get(key)
+        return min(done, total) if total else done
 
     def _saw(self, key: str, xs) -> None:
         """Mark the key's axis fractional once an x is not a whole number (``report(epoch=0.5)``)."""

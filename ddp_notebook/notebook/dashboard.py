@@ -157,20 +157,12 @@ class Status:
                 return key
         return None
 
-    @staticmethod
-    def done(reducer: Reducer, key: str) -> float:
-        """How far the ``key`` axis came (``Reducer.done``), at most its total: a baseline ``report(epoch=0)`` before
-        epochs 1 to 10 does not read 11/10."""
-        done = reducer.done(key)
-        total = reducer.totals.get(key)
-        return min(done, total) if total else done
-
     def eta(self, reducer: Reducer | None, now: float) -> float | None:
         key = self.primary_key(reducer)
         total = reducer.totals.get(key) if key else None
         if not total:
             return None
-        units = self.done(reducer, key)
+        units = reducer.done(key)
         if units >= total:
             return None
         if key == "epoch":
@@ -188,7 +180,7 @@ class Status:
         where = ""
         if key:
             total = reducer.totals.get(key)
-            where = f"{key} {_amount(self.done(reducer, key))}" + (f"/{total}" if total else "")
+            where = f"{key} {_amount(reducer.done(key))}" + (f"/{total}" if total else "")
         if self.outcome is not None:
             end = self.ended_at or now
             parts = [self.outcome, f"{self.world_size} ranks"] + ([where] if where else []) + \
@@ -652,7 +644,7 @@ class DisplayView:
                 progress = dict(watcher.status.progress)
                 key = Status.primary_key(watcher.reducer)
                 total = watcher.reducer.totals.get(key) if key else None
-                done = Status.done(watcher.reducer, key) if key else 0
+                done = watcher.reducer.done(key) if key else 0
             if fraction is not None:
                 batches = max(total_batches for _, total_batches in progress.values())
                 lines.append(_text_bar(fraction, f"{round(fraction * batches)}/{batches} batches"))

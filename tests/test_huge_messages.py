@@ -148,3 +148,22 @@ def test_a_rank_error_keeps_its_whole_text_and_shows_it_clipped():
                                               "rank 1's log, /logs/rank1.log")]
     unnamed = RankError(failure, [failure])  # (follow(): no log of the rank here)
     assert NOTE.findall(unnamed.summary())[0][1] == "this error's .failure.message and .failure.traceback"
+
+
+def test_a_huge_redrawn_line_ended_with_a_huge_line_in_one_flush_stays_within_the_budget():
+    """A bar of a line over the budget, drawn, then ended by a print of a line as long within one flush: the bar's
+    line is elided (older than a line over the share) and the note that says so must not be padded to the bar's
+    width to overwrite it (that wrote twice the budget in one message)."""
+    out = io.StringIO()
+    relay = OutputRelay(out, io.StringIO(), interval=0.2, bytes_per_second=100_000)  # budget: 20,000 per flush
+    relay.feed(1, "stdout", b"\rBAR" + b"y" * 300_000)
+    relay.flush()
+    drawn = len(out.getvalue())
+    assert drawn < 20_000 + 200
+    relay.feed(1, "stdout", b"\nSTART" + b"z" * 300_000 + b"END\n")
+    relay.flush(final=True)
+    written = out.getvalue()[drawn:]
+    assert len(written) < 20_000 + 500, len(written)
+    assert re.search(r"\[rank 1\] STARTz{1000,}" + NOTE.pattern + r"z{1000,}END\n$", written)
+    assert "1 lines of rank 1 elided" in written
+    assert written.startswith("\n")  # the bar's line ends where it was drawn

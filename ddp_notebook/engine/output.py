@@ -232,10 +232,12 @@ class OutputRelay:
     def _leave_open_line(self, writes: list[tuple[str, str]],
                          redrawn: tuple[str, str] | None) -> list[tuple[str, str]]:
         """``writes``, first moving off the open (redrawn) line: the next line written to its stream overwrites
-        it, padded to its width (as tqdm pads its own redraws); output to the other stream ends it where it is."""
+        it, padded to its width (as tqdm pads its own redraws), unless that padding would be longer than a line
+        is ever shown whole (a clipped huge bar: the padding would be a flush's budget more); otherwise, and for
+        output to the other stream, it ends where it is."""
         stream, shown = self._open
         self._open = None
-        if writes and writes[0][0] == stream:
+        if writes and writes[0][0] == stream and len(shown) - len(writes[0][1]) < MIN_LINE_CHARS:
             return [(stream, "\r" + writes[0][1][:-1].ljust(len(shown)) + "\n"), *writes[1:]]
         if writes:
             return [(stream, "\n"), *writes]

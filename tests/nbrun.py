@@ -76,6 +76,61 @@ def kernel(setup: str = "%load_ext ddp_notebook", ipykernel: int = 7):
         km.shutdown_kernel(now=True)
 
 
+class SharedKernel:
+    """One kernel that the tests of a module take in turn (:meth:`take`), instead of a fresh one each: a kernel's
+    start, its ``import torch`` and its rank template cost about 6 CPU-seconds, a third of a small kernel test.
+
+    A test takes it as it was left by the one before: idle (a cell is run first, so a cell still running or an
+    interrupt still arriving has ended), with the same namespace and ddp_notebook state.  A test that fails, or
+    leaves the kernel dead, is the last to use it: the next test gets a fresh one.  Tests that need a kernel that
+    never ran a job (the template's first start, the kernel's own memory or descriptors) keep :func:`kernel`."""
+
+    def __init__(self, setup: str = "%load_ext ddp_notebook", ipykernel: int = 7):
+        self.setup, self.ipykernel = setup, ipykernel
+        self._stack: contextlib.ExitStack | None = None
+        self._pair = None
+
+    @contextlib.contextmanager
+    def take(self):
+        """(manager, client) of the module's kernel for one test, started if there is none or it died."""
+        if self._pair is not None and not self._ready():
+            self.close()
+        if self._pair is None:
+            self._stack = contextlib.ExitStack()
+            self._pair = self._stack.enter_context(kernel(self.setup, self.ipykernel))
+        try:
+            yield self._pair
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self) -> bool:
+        """Alive and idle: a cell runs to its end (after whatever the last test left running or interrupted), and
+        every message the last test left unread is dropped."""
+        import queue
+
+        km, kc = self._pair
+        if not km.is_alive():
+            return False
+        try:
+            reply = kc.execute_interactive("pass", timeout=60, output_hook=lambda msg: None, store_history=False)
+        except TimeoutError:
+            return False
+        for get in (kc.get_iopub_msg, kc.get_shell_msg, kc.get_stdin_msg):
+            while True:
+                try:
+                    get(timeout=0.05)
+                except queue.Empty:
+                    break
+        return reply["content"]["status"] == "ok"
+
+    def close(self) -> None:
+        """Shut the kernel down (the module's tests are done, or the last one left it unfit)."""
+        stack, self._stack, self._pair = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
 def _said(msg) -> str:
     """What an output message shows as text: a stream's text, an error's traceback lines ("" for anything else)."""
     if msg["msg_type"] == "stream":

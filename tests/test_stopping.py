@@ -11,9 +11,17 @@ from ddp_notebook import JobStopped
 from ddp_notebook.engine.job import observe_jobs
 from ddp_notebook.wire import protocol
 from conftest import rank_processes
-from nbrun import gone, kernel, run_until_pids, until_idle
+from nbrun import SharedKernel, gone, run_until_pids, until_idle
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """The module's kernel tests take one kernel in turn (each ends its own jobs)."""
+    module_kernel = SharedKernel("%load_ext ddp_notebook\nimport torch, ddp_notebook")
+    yield module_kernel
+    module_kernel.close()
 
 LOADER_CELL = '''%%ddp --cpus 2 --return model
 import os, time
@@ -74,8 +82,8 @@ def _output(kc, code):
 
 
 @pytest.mark.kernel
-def test_the_stop_button_ends_a_loader_loop_at_the_same_batch_on_every_rank_and_hands_the_model_back(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_the_stop_button_ends_a_loader_loop_at_the_same_batch_on_every_rank_and_hands_the_model_back(shared, no_leftovers):
+    with shared.take() as (km, kc):
         msg_id, pids = run_until_pids(kc, LOADER_CELL)
         time.sleep(3)  # inside epoch 0 or later
         reply, told = _interrupt_and_collect(km, kc, msg_id)
@@ -94,8 +102,8 @@ def test_the_stop_button_ends_a_loader_loop_at_the_same_batch_on_every_rank_and_
 
 
 @pytest.mark.kernel
-def test_the_stop_button_ends_a_should_stop_loop_at_the_same_step(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_the_stop_button_ends_a_should_stop_loop_at_the_same_step(shared, no_leftovers):
+    with shared.take() as (km, kc):
         msg_id, pids = run_until_pids(kc, STEP_CELL)
         time.sleep(2)
         reply, told = _interrupt_and_collect(km, kc, msg_id)
@@ -125,8 +133,8 @@ values = ddp_notebook.launch(train, cpus=2)
 
 
 @pytest.mark.kernel
-def test_a_foreground_launch_stopped_gracefully_fails_its_cell_with_the_values_and_run_all_stops(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_a_foreground_launch_stopped_gracefully_fails_its_cell_with_the_values_and_run_all_stops(shared, no_leftovers):
+    with shared.take() as (km, kc):
         msg_id, pids = run_until_pids(kc, LAUNCH_CELL)
         queued = kc.execute("saved = 'the save cell ran'")  # as "Run All" queues the next cell
         time.sleep(2)
@@ -157,8 +165,8 @@ def test_a_foreground_launch_that_ends_without_a_stop_returns_its_values(no_left
 
 
 @pytest.mark.kernel
-def test_a_second_interrupt_stops_hard(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_a_second_interrupt_stops_hard(shared, no_leftovers):
+    with shared.take() as (km, kc):
         msg_id, pids = run_until_pids(kc, STUCK_CELL)
         time.sleep(2)
         reply, told = _interrupt_and_collect(km, kc, msg_id, interrupts=2)
@@ -167,8 +175,8 @@ def test_a_second_interrupt_stops_hard(no_leftovers):
 
 
 @pytest.mark.kernel
-def test_no_boundary_within_the_grace_period_stops_hard(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_no_boundary_within_the_grace_period_stops_hard(shared, no_leftovers):
+    with shared.take() as (km, kc):
         msg_id, pids = run_until_pids(kc, STUCK_CELL.replace("--cpus 2", "--cpus 2 --grace 2"))
         time.sleep(2)
         started = time.monotonic()
@@ -273,8 +281,8 @@ def test_job_stop_ends_a_background_job_gracefully_and_now_true_hard(no_leftover
 
 
 @pytest.mark.kernel
-def test_a_graceful_stop_on_the_warm_pool_keeps_the_pool_and_its_state(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_a_graceful_stop_on_the_warm_pool_keeps_the_pool_and_its_state(shared, no_leftovers):
+    with shared.take() as (km, kc):
         _output(kc, "%ddp_start --cpus 2")
         cell = LOADER_CELL.replace("%%ddp --cpus 2 --return model", "%%ddp --return model")
         msg_id, pids = run_until_pids(kc, cell)
@@ -301,8 +309,8 @@ dist.all_reduce(torch.ones(1))
 
 
 @pytest.mark.kernel
-def test_stacks_show_where_each_rank_is_while_one_waits_in_all_reduce(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_stacks_show_where_each_rank_is_while_one_waits_in_all_reduce(shared, no_leftovers):
+    with shared.take() as (km, kc):
         kc.execute_interactive(STACKS_CELL, timeout=60)
         number = int(re.search(r"\d+", _output(kc, "print(len(In) - 2)")).group())
         deadline = time.monotonic() + 90
@@ -318,11 +326,11 @@ def test_stacks_show_where_each_rank_is_while_one_waits_in_all_reduce(no_leftove
 
 
 @pytest.mark.kernel
-def test_sigusr2_to_the_kernel_shows_the_stacks_of_a_hung_foreground_cell_without_stopping_it(no_leftovers):
+def test_sigusr2_to_the_kernel_shows_the_stacks_of_a_hung_foreground_cell_without_stopping_it(shared, no_leftovers):
     import os
     import signal
 
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+    with shared.take() as (km, kc):
         msg_id, pids = run_until_pids(kc, STACKS_CELL.replace(" --background", ""))
         time.sleep(2)  # rank 0 printed its PID from the cell: it sleeps there; rank 1 is in all_reduce or about to be
         os.kill(km.provisioner.process.pid, signal.SIGUSR2)

@@ -19,10 +19,18 @@ from ddp_notebook.engine import spec as job_spec
 from ddp_notebook.engine import job as engine_job
 from ddp_notebook.wire import payload
 from conftest import rank_processes
-from nbrun import gone, kernel, run_until_pids
+from nbrun import SharedKernel, gone, kernel, run_until_pids
 
 REPEATS = int(os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS", "1"))
 pytestmark = [pytest.mark.timeout(300 * REPEATS), pytest.mark.slow]  # kernel tests are marked one by one
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """The kernel this module's tests take in turn (each ends its own jobs; nbrun.SharedKernel)."""
+    module_kernel = SharedKernel("%load_ext ddp_notebook")
+    yield module_kernel
+    module_kernel.close()
 
 
 def _blocked_bystanders(report_late_s: float = 0):
@@ -144,10 +152,10 @@ for step in range(1000000):
 
 
 @pytest.mark.kernel
-def test_interrupt_during_training_repeatedly(no_leftovers):
+def test_interrupt_during_training_repeatedly(shared, no_leftovers):
     runs = 10 if os.environ.get("DDP_NOTEBOOK_FAULT_REPEATS") else 2
     ok = 0
-    with kernel() as (km, kc):
+    with shared.take() as (km, kc):
         kernel_process = psutil.Process(km.provisioner.process.pid)
         for _ in range(runs):
             msg_id, pids = run_until_pids(kc, TRAINING_CELL)
@@ -193,8 +201,8 @@ def test_three_kernels_start_jobs_at_once_on_distinct_ports(no_leftovers):
 
 
 @pytest.mark.kernel
-def test_an_output_flood_stays_under_jupyters_rate_limits(no_leftovers):
-    with kernel() as (km, kc):
+def test_an_output_flood_stays_under_jupyters_rate_limits(shared, no_leftovers):
+    with shared.take() as (km, kc):
         msg_id = kc.execute("%%ddp --cpus 2\nfor i in range(200_000):\n    print('flood', i)")
         stamps = []  # (time, bytes) of every output message of the cell
         last_text = ""

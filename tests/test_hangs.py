@@ -7,7 +7,15 @@ import pytest
 
 import ddp_notebook
 from ddp_notebook.engine import hangs
-from nbrun import execute, kernel, run_cell
+from nbrun import SharedKernel, execute, run_cell
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """The kernel this module's tests take in turn (each ends its own jobs; nbrun.SharedKernel)."""
+    module_kernel = SharedKernel("%load_ext ddp_notebook\nimport torch, ddp_notebook")
+    yield module_kernel
+    module_kernel.close()
 
 
 def _one_asleep():
@@ -179,8 +187,8 @@ print("DONE", rank)
 
 
 @pytest.mark.kernel
-def test_a_hung_cell_says_why_by_itself_and_goes_on(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_a_hung_cell_says_why_by_itself_and_goes_on(shared, no_leftovers):
+    with shared.take() as (km, kc):
         reply, told = run_cell(kc, HUNG_CELL, timeout=180)
         assert reply["status"] == "ok", told
         assert re.search(r"ranks 0 and 2 wait in all_reduce #\d+ since", told), told
@@ -200,8 +208,8 @@ if rank != 1:
 
 
 @pytest.mark.kernel
-def test_ddp_why_on_a_warm_pool_names_the_finished_rank(no_leftovers):
-    with kernel("%load_ext ddp_notebook\nimport torch, ddp_notebook") as (km, kc):
+def test_ddp_why_on_a_warm_pool_names_the_finished_rank(shared, no_leftovers):
+    with shared.take() as (km, kc):
         execute(kc, ["%ddp_start --cpus 3"], timeout=120)
         execute(kc, [WARM_HUNG_CELL], timeout=60)
         told = ""

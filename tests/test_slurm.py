@@ -18,9 +18,19 @@ import pytest
 
 import slurm_support
 from ddp_notebook.wire import protocol
-from nbrun import gone, kernel
+from nbrun import SharedKernel, gone, kernel
 
 pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """The kernel this module's tests take in turn (each ends its own jobs; nbrun.SharedKernel)."""
+    module_kernel = SharedKernel("%load_ext ddp_notebook")
+    yield module_kernel
+    module_kernel.close()
+
+
 JOB_NAME = "ddp_nb_test"
 
 
@@ -136,9 +146,9 @@ def _no_staging(tmp_path) -> list[str]:
 
 
 @pytest.mark.kernel
-def test_a_notebook_model_trains_on_slurm_tasks_over_the_channel(slurm, tmp_path):
+def test_a_notebook_model_trains_on_slurm_tasks_over_the_channel(shared, slurm, tmp_path):
     folder = str(tmp_path / "runs" / "%j")
-    with kernel() as (km, kc):
+    with shared.take() as (km, kc):
         _run(kc, _setup(folder) + "import json")
         out, _ = _run(kc, TRAIN)
         job_id = _job_id(out)
@@ -202,11 +212,11 @@ def _told_why(out: str, hang_after: int, asleep_s: int, since: str = r"0:00:\d\d
 
 
 @pytest.mark.kernel
-def test_a_hang_of_a_slurm_job_is_explained_over_the_channel(slurm, tmp_path):
+def test_a_hang_of_a_slurm_job_is_explained_over_the_channel(shared, slurm, tmp_path):
     """A Slurm task shares no folder with the notebook: job.why() and job.stacks() ask it over the channel, and
     --hang-after says why by itself, with the sleeping rank's cell line."""
     folder = str(tmp_path / "runs" / "%j")
-    with kernel() as (km, kc):
+    with shared.take() as (km, kc):
         _run(kc, _setup(folder) + "import json")
         out, _ = _run(kc, ASLEEP.format(seconds=15))
         job_id = _job_id(out)
@@ -230,9 +240,9 @@ def test_a_hang_of_a_slurm_job_is_explained_over_the_channel(slurm, tmp_path):
 
 
 @pytest.mark.kernel
-def test_unreachable_notebook_the_ranks_report_through_files(slurm, tmp_path):
+def test_unreachable_notebook_the_ranks_report_through_files(shared, slurm, tmp_path):
     folder = str(tmp_path / "runs" / "%j")
-    with kernel() as (km, kc):
+    with shared.take() as (km, kc):
         _run(kc, _setup(folder, host="192.0.2.1") + "import json")  # TEST-NET-1: no rank can reach it
         out, _ = _run(kc, TRAIN)
         job_id = _job_id(out)
@@ -286,8 +296,8 @@ def _until_pids(kc, code: str, timeout: float = 90) -> tuple[str, str, set[int]]
 
 
 @pytest.mark.kernel
-def test_interrupt_cancels_the_slurm_job_and_keeps_the_kernel(slurm, tmp_path):
-    with kernel() as (km, kc):
+def test_interrupt_cancels_the_slurm_job_and_keeps_the_kernel(shared, slurm, tmp_path):
+    with shared.take() as (km, kc):
         _run(kc, _setup(str(tmp_path / "runs" / "%j")))
         msg_id, job_id, pids = _until_pids(kc, LONG)
         interrupted = time.monotonic()

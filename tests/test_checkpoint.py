@@ -1,5 +1,6 @@
 """Checkpoints: resume on real gloo ranks, any wrapping, atomic writes under SIGKILL or a full disk, best-k
 bookkeeping."""
+import contextlib
 import errno
 import inspect
 import json
@@ -444,3 +445,43 @@ def test_resumes_start_epoch_travels_as_a_plain_int():
     start = StartEpoch(3, LoadedCheckpoint("/ckpt.pt", epoch=2, optimizer_state={"state": {}}))
     back = pickle.loads(pickle.dumps(start))  # returned from a rank: the epoch, not the optimizer state it loaded
     assert back == 3 and type(back) is int and start.checkpoint.epoch == 2
+
+
+def test_a_save_that_ran_out_of_space_is_named_full_even_once_the_space_is_back(tmp_path, monkeypatch):
+    """Another writer (another rank's temporary file) holds the disk's last space as this save writes, and gives it
+    back at once: torch's zip writer then fails on its own (``unexpected pos``, raised while it handles the ENOSPC),
+    and the space is free when the failure is looked at.  The error still says the filesystem was full."""
+    from ddp_notebook.wire import safe_files
+
+    class OneWriteDoesNotFit:
+        def __init__(self, f):
+            self.f, self.written, self.failed = f, 0, False
+
+        def write(self, data):
+            size = memoryview(data).nbytes
+            if self.written + size > 3000 and not self.failed:
+                self.failed = True
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += size
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    replace_atomically = safe_files.replace_atomically
+
+    @contextlib.contextmanager
+    def another_writer_holds_the_space(*args, **kwargs):
+        with replace_atomically(*args, **kwargs) as f:
+            yield OneWriteDoesNotFit(f)
+
+    monkeypatch.setattr(safe_files, "replace_atomically", another_writer_holds_the_space)
+    path = tmp_path / "model.pt"
+    with pytest.raises(OSError) as raised:
+        ddp_notebook.save_checkpoint(path, torch.nn.Linear(40, 40), epoch=1)  # about 7 KiB
+    message = str(raised.value)
+    assert raised.value.errno == errno.ENOSPC and "enforce fail" not in message, message
+    assert re.search(rf"the filesystem of {re.escape(str(path))} is full: the checkpoint needs [\d.]+ KiB, "
+                     rf"[\d.]+ (KiB|MiB) are free there", message), message
+    assert isinstance(raised.value.__cause__, RuntimeError)  # torch's own, kept as the cause
+    assert os.listdir(tmp_path) == []  # no partial file

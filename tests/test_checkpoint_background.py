@@ -286,17 +286,28 @@ def test_a_staging_copy_that_does_not_fit_is_refused_before_anything_is_written(
 
 
 def _fill_in_the_background(path, then_save_again):
-    """A small checkpoint, then a background save that does not fit; the next save (or the task's end) raises."""
+    """A small checkpoint, then a background save that does not fit; the next save (or the task's end) raises.
+
+    Rank 0 alone fills the disk: rank 1 writes its part of each save (its RNG file) before rank 0's model file
+    of the save that does not fit starts, so that no write of rank 1's meets the full disk (one that did would
+    fail rank 1 first, and rightly so)."""
+    import torch.distributed as dist
+
     small = torch.nn.Linear(4, 2)
     torch.nn.init.constant_(small.weight, 1.0)
     ddp_notebook.save_checkpoint(path, small, epoch=1)
     big = torch.nn.Linear(200, 200)  # about 160 KiB of weights
-    ddp_notebook.save_checkpoint(path, big, epoch=2, background=True)
-    if then_save_again:
-        try:
-            ddp_notebook.save_checkpoint(path, small, epoch=3)
-        except ddp_notebook.BackgroundSaveError as exc:
-            return {"raised": str(exc), "cause_errno": exc.__cause__.errno}
+    if dist.get_rank() != 0:
+        ddp_notebook.save_checkpoint(path, big, epoch=2, background=True)
+        ddp_notebook.wait_for_checkpoints(path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        ddp_notebook.save_checkpoint(path, big, epoch=2, background=True)
+        if then_save_again:
+            try:
+                ddp_notebook.save_checkpoint(path, small, epoch=3)
+            except ddp_notebook.BackgroundSaveError as exc:
+                return {"raised": str(exc), "cause_errno": exc.__cause__.errno}
     return {"raised": None}
 
 

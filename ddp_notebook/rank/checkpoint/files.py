@@ -38,9 +38,23 @@ class _SizeCounter:
         pass
 
 
+def _out_of_space(exc: BaseException | None) -> bool:
+    """An ENOSPC anywhere in the chain: torch's zip writer raises its own ``unexpected pos`` RuntimeError while it
+    handles the OSError of the write that did not fit."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _full_filesystem(exc: Exception, obj: Any, path: str) -> OSError | None:
-    """A clear ENOSPC error when a save failed for want of space; torch's own says ``unexpected pos``."""
-    no_space = getattr(exc, "errno", None) == errno.ENOSPC
+    """A clear ENOSPC error when a save failed for want of space; torch's own says ``unexpected pos``.  A write
+    that failed with ENOSPC is named so even when the space is back by the time it is measured (another writer,
+    another rank's temporary file, gave it back); otherwise the free space decides."""
+    no_space = _out_of_space(exc)
     if isinstance(exc, OSError) and not no_space:
         return None  # (permissions and the like: their own message is clear)
     try:

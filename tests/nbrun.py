@@ -78,7 +78,7 @@ def kernel(setup: str = "%load_ext ddp_notebook", ipykernel: int = 7):
 
 class SharedKernel:
     """One kernel that the tests of a module take in turn (:meth:`take`), instead of a fresh one each: a kernel's
-    start, its ``import torch`` and its rank template cost about 6 CPU-seconds, a third of a small kernel test.
+    start, its ``import torch`` and its rank template cost about 5 CPU-seconds and 3 s.
 
     A test takes it as it was left by the one before: idle (a cell is run first, so a cell still running or an
     interrupt still arriving has ended), with the same namespace and ddp_notebook state.  A test that fails, or
@@ -105,19 +105,26 @@ class SharedKernel:
             raise
 
     def _ready(self) -> bool:
-        """Alive and idle: a cell runs to its end (after whatever the last test left running or interrupted), and
-        every message the last test left unread is dropped."""
+        """Alive, idle and clean: no rank of this run is left (a test that failed after its ``with`` block, or in
+        ``no_leftovers``, may have left a job running), a cell runs to its end (after whatever the last test left
+        running or interrupted), and the messages the last test left unread are dropped (for at most 5 s: a
+        kernel still printing that long is not idle)."""
         import queue
 
+        from conftest import rank_processes
+
         km, kc = self._pair
-        if not km.is_alive():
+        if not km.is_alive() or rank_processes():
             return False
         try:
             reply = kc.execute_interactive("pass", timeout=60, output_hook=lambda msg: None, store_history=False)
         except TimeoutError:
             return False
+        deadline = time.monotonic() + 5
         for get in (kc.get_iopub_msg, kc.get_shell_msg, kc.get_stdin_msg):
             while True:
+                if time.monotonic() > deadline:
+                    return False
                 try:
                     get(timeout=0.05)
                 except queue.Empty:

@@ -453,6 +453,8 @@ def test_a_save_that_ran_out_of_space_is_named_full_even_once_the_space_is_back(
     and the space is free when the failure is looked at.  The error still says the filesystem was full."""
     from ddp_notebook.wire import safe_files
 
+    failing = {"errno": errno.ENOSPC}
+
     class OneWriteDoesNotFit:
         def __init__(self, f):
             self.f, self.written, self.failed = f, 0, False
@@ -461,7 +463,7 @@ def test_a_save_that_ran_out_of_space_is_named_full_even_once_the_space_is_back(
             size = memoryview(data).nbytes
             if self.written + size > 3000 and not self.failed:
                 self.failed = True
-                raise OSError(errno.ENOSPC, "No space left on device")
+                raise OSError(failing["errno"], os.strerror(failing["errno"]))
             self.written += size
             return self.f.write(data)
 
@@ -485,3 +487,14 @@ def test_a_save_that_ran_out_of_space_is_named_full_even_once_the_space_is_back(
                      rf"[\d.]+ (KiB|MiB) are free there", message), message
     assert isinstance(raised.value.__cause__, RuntimeError)  # torch's own, kept as the cause
     assert os.listdir(tmp_path) == []  # no partial file
+
+    # A save called while the notebook handles an ENOSPC of its own, failing for another reason (an I/O error):
+    # that ENOSPC is not the save's, and the disk is not said to be full.
+    failing["errno"] = errno.EIO
+    try:
+        raise OSError(errno.ENOSPC, "the log disk is full")
+    except OSError:
+        with pytest.raises(Exception) as other:
+            ddp_notebook.save_checkpoint(path, torch.nn.Linear(40, 40), epoch=1)
+    assert "is full" not in str(other.value) and "unexpected pos" in str(other.value), other.value
+    assert os.listdir(tmp_path) == []

@@ -54,9 +54,11 @@ def slurm():
 
 
 def _setup(folder: str, host: str | None = None) -> str:
-    """A kernel's first cell: the user's executor, and (for the file-only mode) an address no rank reaches."""
-    unreachable = f"import os; os.environ['DDP_NOTEBOOK_HOST'] = {host!r}\n" if host else ""
-    return unreachable + f"""
+    """A test's first cell: the user's executor, and (for the file-only mode) an address no rank reaches.  The
+    kernel may be the one an earlier test of the module used: what that one set in its environment is cleared."""
+    where = (f"os.environ['DDP_NOTEBOOK_HOST'] = {host!r}" if host
+             else "os.environ.pop('DDP_NOTEBOOK_HOST', None)")
+    return f"import os\n{where}\nos.environ.pop({protocol.STILL_AFTER_ENV!r}, None)\n" + f"""
 import time, submitit, torch, ddp_notebook
 ex = submitit.AutoExecutor(folder={folder!r})
 ex.update_parameters(nodes=1, tasks_per_node=2, cpus_per_task=1, timeout_min=5, slurm_partition="debug",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from typing import Any
 
 import torch
@@ -14,11 +15,12 @@ def atomic_save(obj: Any, path: str, file_mode: int) -> None:
     """Write to a new temporary file (``O_EXCL``, a random name: never through a link another user planted),
     flush, fsync, then rename over ``path``: readers see old or new, never half.  The file gets ``file_mode``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    handled_before = sys.exc_info()[1]  # (saved inside an except block: that error is not this save's)
     try:
         with safe_files.replace_atomically(path, file_mode) as f:
             torch.save(obj, f)
     except Exception as exc:
-        full = _full_filesystem(exc, obj, path)
+        full = _full_filesystem(exc, obj, path, handled_before)
         if full is not None:
             raise full from exc
         raise
@@ -38,11 +40,12 @@ class _SizeCounter:
         pass
 
 
-def _out_of_space(exc: BaseException | None) -> bool:
-    """An ENOSPC anywhere in the chain: torch's zip writer raises its own ``unexpected pos`` RuntimeError while it
-    handles the OSError of the write that did not fit."""
+def _out_of_space(exc: BaseException | None, handled_before: BaseException | None) -> bool:
+    """An ENOSPC in the save's chain: torch's zip writer raises its own ``unexpected pos`` RuntimeError while it
+    handles the OSError of the write that did not fit.  The walk stops at ``handled_before``, the error being
+    handled where the save was called, which is not the save's."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and exc is not handled_before and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return True
@@ -50,11 +53,11 @@ def _out_of_space(exc: BaseException | None) -> bool:
     return False
 
 
-def _full_filesystem(exc: Exception, obj: Any, path: str) -> OSError | None:
+def _full_filesystem(exc: Exception, obj: Any, path: str, handled_before: BaseException | None) -> OSError | None:
     """A clear ENOSPC error when a save failed for want of space; torch's own says ``unexpected pos``.  A write
     that failed with ENOSPC is named so even when the space is back by the time it is measured (another writer,
     another rank's temporary file, gave it back); otherwise the free space decides."""
-    no_space = _out_of_space(exc)
+    no_space = _out_of_space(exc, handled_before)
     if isinstance(exc, OSError) and not no_space:
         return None  # (permissions and the like: their own message is clear)
     try:

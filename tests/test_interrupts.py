@@ -54,7 +54,7 @@ momentum_same = _same(_flat(buffers)) if buffers else None
 
 def _interrupted(km, kc, code, after):
     """Start a cell and interrupt it ``after`` seconds later: (reply content, told)."""
-    msg_id = kc.execute(code)
+    msg_id = kc.execute(code, stop_on_error=False)  # (nbrun.run_until_pids says why)
     time.sleep(after)
     km.interrupt_kernel()
     return _until_idle(kc, msg_id)

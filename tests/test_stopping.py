@@ -135,7 +135,7 @@ values = ddp_notebook.launch(train, cpus=2)
 @pytest.mark.kernel
 def test_a_foreground_launch_stopped_gracefully_fails_its_cell_with_the_values_and_run_all_stops(shared, no_leftovers):
     with shared.take() as (km, kc):
-        msg_id, pids = run_until_pids(kc, LAUNCH_CELL)
+        msg_id, pids = run_until_pids(kc, LAUNCH_CELL, stop_on_error=True)
         queued = kc.execute("saved = 'the save cell ran'")  # as "Run All" queues the next cell
         time.sleep(2)
         km.interrupt_kernel()

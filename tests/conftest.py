@@ -27,14 +27,51 @@ if not os.environ.get("DDP_NOTEBOOK_TEST_TMPDIR"):
 os.environ.setdefault("DDP_NOTEBOOK_RESERVATIONS", os.path.join(os.environ["DDP_NOTEBOOK_TEST_TMPDIR"], "gpu-reservations"))
 
 
+# The modules that take longest here (wall seconds in one process, from DDP_NOTEBOOK_TEST_CPU_LOG) are handed out
+# first, so that pytest-xdist's workers do not end with one of them left alone on one worker while the other idles.
+LONGEST_FIRST = {
+    "test_slurm.py": 170, "test_docs.py": 82, "test_interrupts.py": 66, "test_torchrun.py": 60, "test_hangs.py": 57,
+    "test_dashboard_kernel.py": 46, "test_pool.py": 44, "test_faults.py": 43, "test_dashboard_browser.py": 43,
+    "test_stopping.py": 41, "test_background_memory.py": 40, "test_shared_results.py": 38, "test_debugger.py": 30,
+    "test_sharded_results.py": 30, "test_lost_writes.py": 27, "test_hf_datasets.py": 26,
+    "test_template_environment.py": 26, "test_benchmarks_smoke.py": 26, "test_template_preload.py": 25,
+    "test_checkpoint_background.py": 24, "test_gpu_check.py": 23, "test_template.py": 23,
+    "test_background_browser.py": 23, "test_output.py": 22, "test_picker_browser.py": 21,
+    "test_checkpoint_sharded.py": 21, "test_debugger_browser.py": 18, "test_soak.py": 17, "test_sharing.py": 17,
+}
+
+
+def run_group(nodeid: str) -> str:
+    """What runs on one pytest-xdist worker, one test after the other: a module (its tests share their module's
+    kernel and fixtures, and may count what their module left), or all the browser tests (one Chromium at a time).
+    The Slurm tests, which share the machine's daemons, are one module."""
+    module = nodeid.split("::")[0]
+    return "browser" if module.endswith("_browser.py") else module
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``), tests that share something machine-wide run on one worker:
-    the Slurm daemons, Chromium."""
-    for item in items:
-        if "slurm" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        elif item.get_closest_marker("browser") is not None:
-            item.add_marker(pytest.mark.xdist_group("browser"))
+    """The longest groups first (a stable sort: the others keep their order); the same order in one process."""
+    cost: dict[str, float] = {}
+    for module in {item.nodeid.split("::")[0] for item in items}:
+        group = run_group(module)
+        cost[group] = cost.get(group, 0) + LONGEST_FIRST.get(os.path.basename(module), 0)
+    items.sort(key=lambda item: -cost[run_group(item.nodeid)])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n 2``, the default in pyproject.toml), hand out :func:`run_group`'s groups whole, in
+    the order collected.  (pytest-xdist's own ``--dist loadgroup`` names a test by its group in a way pytest 9.2
+    ignores, so its groups were spread over the workers.)"""
+    if config.getvalue("dist") not in ("load", "loadgroup", "loadscope", "loadfile"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return run_group(nodeid)
+
+    config.option.loadscopereorder = False  # (it would put the groups with most tests first, not the longest)
+    return GroupScheduling(config, log)
 
 
 CPU_LOG = os.environ.pop("DDP_NOTEBOOK_TEST_CPU_LOG", None)  # (a pytest these tests start logs nothing twice)
@@ -54,7 +91,8 @@ def _machine_counts() -> tuple[float, int]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ``DDP_NOTEBOOK_TEST_CPU_LOG=path``, one line a test: its wall time, the machine's CPU-seconds and the
-    processes and threads made meanwhile (what the suite's time is made of; run alone on an otherwise idle machine)."""
+    processes and threads made meanwhile (what the suite's time is made of; run in one process, ``-n 0``, on an
+    otherwise idle machine: the machine's counts cannot tell two workers' tests apart, and workers never see it)."""
     log = CPU_LOG
     if not log:
         yield

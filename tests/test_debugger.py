@@ -9,7 +9,6 @@ import re
 import pytest
 
 from nbrun import gone, kernel, run_answering
-from test_slurm import slurm  # noqa: F401 (the fixture: a real Slurm on this machine)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.kernel]
 
@@ -360,33 +359,6 @@ print("answer", rank, input("still reachable? ") if rank == 1 else None)
     assert reply["status"] == "ok", told
     assert prompts == ["[rank 1] still reachable? "]
     assert "[rank 1] caught True" in told and "[rank 1] answer 1 yes" in told
-
-
-SLURM_CELL = """%%ddp --executor ex
-value = 40 + rank
-if rank == 1:
-    breakpoint()
-print("after", rank)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_slurm_task_prompts_in_the_notebook_and_one_reporting_through_files_says_it_cannot(slurm, tmp_path):
-    from test_slurm import _setup
-
-    with kernel(SETUP) as (km, client):
-        run_answering(client, _setup(str(tmp_path / "runs" / "%j")), [])
-        reply, told, prompts = run_answering(client, SLURM_CELL, ["p value", "c"], timeout=200)
-        assert reply["status"] == "ok", told
-        assert prompts == ["(Pdb rank 1) "] * 2 and "\n41\n" in debugger_text(told)
-        assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
-    with kernel(SETUP) as (km, client):  # no rank reaches this kernel: they report through files
-        run_answering(client, _setup(str(tmp_path / "files" / "%j"), host="192.0.2.1"), [])
-        reply, told, prompts = run_answering(client, SLURM_CELL, [], timeout=200)
-        assert reply["status"] == "error" and prompts == []
-        assert "RuntimeError: input() in a rank: this rank has no connection to the notebook (it reports through " \
-               "files), so no prompt can reach anyone" in told, told
 
 
 def test_pythonbreakpoint_0_turns_breakpoint_off_in_the_ranks_as_in_python(kc, no_leftovers):

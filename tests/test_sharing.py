@@ -33,7 +33,8 @@ def in_a_fresh_process(test):
     def run(*args, **kwargs):
         if os.environ.get("DDP_NOTEBOOK_TEST_FRESH") == test.__name__:
             return test(*args, **kwargs)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test.__name__}"]
+        command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",  # (one process: no workers)
+                   f"{__file__}::{test.__name__}"]
         fresh = {**os.environ, "DDP_NOTEBOOK_TEST_FRESH": test.__name__, "DDP_NOTEBOOK_TEST_TMPDIR": ""}
         out = subprocess.run(command, env=fresh, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
@@ -70,7 +71,10 @@ def sent(monkeypatch):
 
 
 def _shm_and_tmp():
-    return set(os.listdir("/dev/shm")), set(os.listdir(tempfile.gettempdir()))
+    """What is in shared memory and the temp folder, less torch's compile cache (``torchinductor_<user>``, made in
+    the temp folder once, by the first rank that loads torch._inductor: a test that runs first in a fresh one)."""
+    return set(os.listdir("/dev/shm")), {name for name in os.listdir(tempfile.gettempdir())
+                                         if not name.startswith("torchinductor_")}
 
 
 def _fds():

@@ -18,7 +18,7 @@ import pytest
 
 import slurm_support
 from ddp_notebook.wire import protocol
-from nbrun import SharedKernel, gone, kernel
+from nbrun import SharedKernel, gone, kernel, run_answering
 
 pytestmark = [pytest.mark.slow]
 
@@ -450,3 +450,31 @@ def test_executor_refusals_name_the_culprit(monkeypatch, tmp_path):
     with pytest.raises(LaunchError, match=r"submitit, which is not installed .*pip install 'ddp_notebook\[slurm\]'"):
         ddp_notebook.launch(print, executor=local)
     assert {child.pid for child in psutil.Process().children()} <= before  # nothing was started
+
+
+# (The debugger's Slurm case lives here, with the other tests of the module's daemons.)
+SLURM_CELL = """%%ddp --executor ex
+value = 40 + rank
+if rank == 1:
+    breakpoint()
+print("after", rank)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_slurm_task_prompts_in_the_notebook_and_one_reporting_through_files_says_it_cannot(slurm, tmp_path):
+    from test_debugger import debugger_text
+
+    with kernel() as (km, client):
+        run_answering(client, _setup(str(tmp_path / "runs" / "%j")), [])
+        reply, told, prompts = run_answering(client, SLURM_CELL, ["p value", "c"], timeout=200)
+        assert reply["status"] == "ok", told
+        assert prompts == ["(Pdb rank 1) "] * 2 and "\n41\n" in debugger_text(told)
+        assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
+    with kernel() as (km, client):  # no rank reaches this kernel: they report through files
+        run_answering(client, _setup(str(tmp_path / "files" / "%j"), host="192.0.2.1"), [])
+        reply, told, prompts = run_answering(client, SLURM_CELL, [], timeout=200)
+        assert reply["status"] == "error" and prompts == []
+        assert "RuntimeError: input() in a rank: this rank has no connection to the notebook (it reports through " \
+               "files), so no prompt can reach anyone" in told, told

@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``-n 2``, the default in pyproject.toml), hand out :func:`run_group`'s groups whole, in
+    """Under pytest-xdist (``-n 3``, the default in pyproject.toml), hand out :func:`run_group`'s groups whole, in
     the order collected.  (pytest-xdist's own ``--dist loadgroup`` names a test by its group in a way pytest 9.2
     ignores, so its groups were spread over the workers.)"""
     if config.getvalue("dist") not in ("load", "loadgroup", "loadscope", "loadfile"):

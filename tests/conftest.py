@@ -28,7 +28,7 @@ os.environ.setdefault("DDP_NOTEBOOK_RESERVATIONS", os.path.join(os.environ["DDP_
 
 
 # The modules that take longest here (wall seconds in one process, from DDP_NOTEBOOK_TEST_CPU_LOG) are handed out
-# first, so that pytest-xdist's workers do not end with one of them left alone on one worker while the other idles.
+# first, so that pytest-xdist's workers do not end with one of them left alone on one worker while the others idle.
 LONGEST_FIRST = {
     "test_slurm.py": 170, "test_docs.py": 82, "test_interrupts.py": 66, "test_torchrun.py": 60, "test_hangs.py": 57,
     "test_dashboard_kernel.py": 46, "test_pool.py": 44, "test_faults.py": 43, "test_dashboard_browser.py": 43,

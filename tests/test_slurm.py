@@ -462,6 +462,7 @@ print("after", rank)
 
 
 @pytest.mark.slow
+@pytest.mark.kernel
 @pytest.mark.timeout(300)
 def test_a_slurm_task_prompts_in_the_notebook_and_one_reporting_through_files_says_it_cannot(slurm, tmp_path):
     from test_debugger import debugger_text

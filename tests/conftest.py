@@ -44,16 +44,19 @@ LONGEST_FIRST = {
 def run_group(nodeid: str) -> str:
     """What runs on one pytest-xdist worker, one test after the other: a module (its tests share their module's
     kernel and fixtures, and may count what their module left), or all the browser tests (one Chromium at a time).
-    The Slurm tests, which share the machine's daemons, are one module."""
+    The Slurm tests, which share the machine's daemons, are one module (checked at collection)."""
     module = nodeid.split("::")[0]
     return "browser" if module.endswith("_browser.py") else module
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest groups first (a stable sort: the others keep their order); the same order in one process."""
-    cost: dict[str, float] = {}
-    for module in {item.nodeid.split("::")[0] for item in items}:
-        group = run_group(module)
+    elsewhere = [item.nodeid for item in items if "slurm" in getattr(item, "fixturenames", ())
+                 and os.path.basename(item.nodeid.split("::")[0]) != "test_slurm.py"]
+    if elsewhere:
+        raise pytest.UsageError(f"Slurm tests belong in tests/test_slurm.py (one worker owns the daemons): {elsewhere}")
+    cost: dict[str, int] = {}
+    for group, module in {(run_group(item.nodeid), item.nodeid.split("::")[0]) for item in items}:
         cost[group] = cost.get(group, 0) + LONGEST_FIRST.get(os.path.basename(module), 0)
     items.sort(key=lambda item: -cost[run_group(item.nodeid)])
 

@@ -25,11 +25,15 @@
    blocks share the machine's state of the moment, so the ratio of a round's
    reporting block to its plain block resolves a few percent where separate
    jobs do not; the no-op arm against the plain one is the design's own noise
-   (an A/A comparison), measured in the same rounds.
+   (an A/A comparison), measured in the same rounds.  ``--loader``: the
+   same MLP fed by a loader, a block an epoch of 1,000 batches of 32, the
+   arms a torch ``DataLoader`` with a ``DistributedSampler`` (the ``mp.spawn``
+   recipe's), a ``distributed_loader`` (timed batches, the graceful stop's
+   boundaries) and a ``distributed_loader`` with ``report()`` every step.
 
     .venv/bin/python benchmarks/bench_report.py [--ranks 1 2] [--block-s 2] [--pairs 4]
     .venv/bin/python benchmarks/bench_report.py --mlp [--mlp-steps 4000] [--mlp-pairs 3] [--long-steps 100000]
-    .venv/bin/python benchmarks/bench_report.py --mlp-blocks [--block-steps 1000] [--rounds 30]
+    .venv/bin/python benchmarks/bench_report.py --mlp-blocks [--loader] [--block-steps 1000] [--rounds 30]
 
 Prints a Markdown summary; figures of a run are kept in benchmarks/RESULTS_report.md.
 """
@@ -204,6 +208,57 @@ with open({out!r} + f"-{{rank}}.json", "w") as handle:  # (a long line printed w
     json.dump(blocks, handle)
 """
 
+# Part 5 with a loader (``--loader``): the same blocks, each an epoch of its arm's loader.  "plain" is torch's
+# DataLoader with a DistributedSampler, "noop" a distributed_loader, "report" a distributed_loader with report()
+# every step.
+MLP_LOADER_BLOCKS = """\
+%%ddp --cpus 2
+import json, random, time, psutil, torch
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+import ddp_notebook
+""" + _MLP_MODEL + """
+front = psutil.Process(kernel.ppid())
+total = {rounds} * 3 * {block_steps}
+data = TensorDataset(torch.randn(32 * {block_steps} * world_size, 32), torch.randn(32 * {block_steps} * world_size, 1))
+loaders = {{"plain": DataLoader(data, batch_size=32, sampler=DistributedSampler(data)),
+            "noop": ddp_notebook.distributed_loader(data, batch_size=32),
+            "report": ddp_notebook.distributed_loader(data, batch_size=32)}}
+
+def train_on(x, y):
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+for arm in loaders:  # warm-up: an epoch of each
+    for x, y in loaders[arm]:
+        train_on(x, y)
+blocks = {{arm: [] for arm in loaders}}
+step = 0
+for round_ in range({rounds}):
+    arms = list(loaders)
+    random.Random(round_).shuffle(arms)
+    for arm in arms:
+        dist.barrier()
+        front_cpu = sum(front.cpu_times()[:2])
+        kernel_cpu, cpu, started = sum(kernel.cpu_times()[:2]), time.process_time(), time.perf_counter()
+        if arm == "report":
+            for x, y in loaders[arm]:
+                loss = train_on(x, y)
+                step += 1
+                report(step=step, steps=total, loss=loss)
+        else:
+            for x, y in loaders[arm]:
+                loss = train_on(x, y)
+                step += 1
+        blocks[arm].append((time.perf_counter() - started, time.process_time() - cpu,
+                            sum(kernel.cpu_times()[:2]) - kernel_cpu, sum(front.cpu_times()[:2]) - front_cpu))
+with open({out!r} + f"-{{rank}}.json", "w") as handle:
+    json.dump(blocks, handle)
+"""
+
 
 def _bootstrap_mean(values: list, draws: int = 10_000) -> tuple:
     """The mean of ``values`` and its 95% bootstrap interval (a seeded generator: the same figures each time)."""
@@ -265,8 +320,8 @@ def mlp_blocks_benchmark(args) -> None:
 
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "blocks")
-            cell(MLP_BLOCKS.format(kernel_pid=kernel_pid, rounds=args.rounds, block_steps=args.block_steps,
-                                   out=out))
+            cell((MLP_LOADER_BLOCKS if args.loader else MLP_BLOCKS).format(
+                kernel_pid=kernel_pid, rounds=args.rounds, block_steps=args.block_steps, out=out))
             rows = {}
             for rank in (0, 1):
                 with open(f"{out}-{rank}.json") as handle:
@@ -274,26 +329,29 @@ def mlp_blocks_benchmark(args) -> None:
         took = time.time() - started
         zero = rows[0]
         wall = {arm: [b[0] for b in zero[arm]] for arm in zero}
+        names = ({"plain": "torch's DataLoader", "noop": "distributed_loader",
+                  "report": "distributed_loader and report() every step"} if args.loader else
+                 {"plain": "no call", "noop": "no-op call (the design's noise, A/A)", "report": "report() every step"})
         print(f"## The MLP loop in one job: {args.rounds} rounds of three {args.block_steps:,}-step blocks "
-              f"(no call, a no-op call, report()), shuffled a round ({took:.0f} s)\n")
-        print(f"block wall time, median: no call {statistics.median(wall['plain']):.3f} s, no-op call "
-              f"{statistics.median(wall['noop']):.3f} s, report() {statistics.median(wall['report']):.3f} s "
+              f"({', '.join(names.values())}), shuffled a round ({took:.0f} s)\n")
+        print(f"block wall time, median: {names['plain']} {statistics.median(wall['plain']):.3f} s, {names['noop']} "
+              f"{statistics.median(wall['noop']):.3f} s, {names['report']} {statistics.median(wall['report']):.3f} s "
               f"({args.block_steps / statistics.median(wall['plain']):,.0f} steps/s)\n")
-        print("| per round, ratio to the no-call block | mean [95% bootstrap interval] | median | range |")
+        print(f"| per round, ratio to the {names['plain']} block | mean [95% bootstrap interval] | median | range |")
         print("|---|---|---|---|")
-        for arm, name in (("noop", "no-op call (the design's noise, A/A)"), ("report", "report() every step")):
+        for arm, name in (("noop", names["noop"]), ("report", names["report"])):
             ratios = [b / a for a, b in zip(wall["plain"], wall[arm])]
             mean, low, high = _bootstrap_mean(ratios)
             print(f"| {name} | {mean:.4f} [{low:.4f}, {high:.4f}] | {statistics.median(ratios):.4f} | "
                   f"{min(ratios):.3f}–{max(ratios):.3f} |")
         ratios = [b / a for a, b in zip(wall["noop"], wall["report"])]
         mean, low, high = _bootstrap_mean(ratios)
-        print(f"| report() against the no-op call | {mean:.4f} [{low:.4f}, {high:.4f}] | "
+        print(f"| {names['report']} against {names['noop']} | {mean:.4f} [{low:.4f}, {high:.4f}] | "
               f"{statistics.median(ratios):.4f} | {min(ratios):.3f}–{max(ratios):.3f} |")
         print("\nEach block's time is the loop's own plus what other processes took from it, which only adds: the "
               "lower quantiles of an arm's blocks are the least disturbed ones. Ratio to the no-call blocks' (95% "
               "bootstrap interval, blocks resampled within each arm):\n")
-        print("| quantile of the blocks' times | no-op call (A/A) | report() every step |")
+        print(f"| quantile of the blocks' times | {names['noop']} | {names['report']} |")
         print("|---|---|---|")
         for q in (0.1, 0.25, 0.5):
             cells = []
@@ -306,19 +364,19 @@ def mlp_blocks_benchmark(args) -> None:
                 json.dump({"block_steps": args.block_steps, "rounds": args.rounds, "blocks": rows}, handle)
             print(f"\n(every block's wall time and CPU: {args.raw})")
         total = {arm: sum(wall[arm]) for arm in wall}
-        print(f"\nsummed over the rounds: report() {total['report'] / total['plain']:.4f}, no-op "
-              f"{total['noop'] / total['plain']:.4f} of the no-call blocks' time")
+        print(f"\nsummed over the rounds: {names['report']} {total['report'] / total['plain']:.4f}, {names['noop']} "
+              f"{total['noop'] / total['plain']:.4f} of the {names['plain']} blocks' time")
         for rank in sorted(rows):
             cpu = {arm: sum(b[1] for b in rows[rank][arm]) for arm in rows[rank]}
-            print(f"- rank {rank}'s CPU (all its threads): report() {cpu['report'] / cpu['plain']:.4f}, no-op "
-                  f"{cpu['noop'] / cpu['plain']:.4f} of the no-call blocks'")
+            print(f"- rank {rank}'s CPU (all its threads): {names['report']} {cpu['report'] / cpu['plain']:.4f}, "
+                  f"{names['noop']} {cpu['noop'] / cpu['plain']:.4f} of the {names['plain']} blocks'")
         kernel = {arm: sum(b[2] for b in zero[arm]) / sum(wall[arm]) for arm in zero}
-        print(f"- kernel CPU during the blocks, % of a core: report() {kernel['report'] * 100:.2f}%, no-op "
-              f"{kernel['noop'] * 100:.2f}%, no call {kernel['plain'] * 100:.2f}%")
+        print(f"- kernel CPU during the blocks, % of a core: {names['report']} {kernel['report'] * 100:.2f}%, "
+              f"{names['noop']} {kernel['noop'] * 100:.2f}%, {names['plain']} {kernel['plain'] * 100:.2f}%")
         front = {arm: sum(b[3] for b in zero[arm]) / sum(wall[arm]) for arm in zero}
         print(f"- the front end's CPU (this benchmark's Jupyter client, which receives the cell's output), % of a "
-              f"core: report() {front['report'] * 100:.2f}%, no-op {front['noop'] * 100:.2f}%, no call "
-              f"{front['plain'] * 100:.2f}%")
+              f"core: {names['report']} {front['report'] * 100:.2f}%, {names['noop']} {front['noop'] * 100:.2f}%, "
+              f"{names['plain']} {front['plain'] * 100:.2f}%")
 
 
 KERNEL_FACTS = """\
@@ -504,6 +562,8 @@ def main() -> None:
     parser.add_argument("--mlp-pairs", type=int, default=3)
     parser.add_argument("--mlp-blocks", action="store_true", help="part 5 alone: report() against no call and "
                         "a no-op call, blocks of one job in shuffled rounds")
+    parser.add_argument("--loader", action="store_true", help="part 5 with loaders: torch's DataLoader against "
+                        "distributed_loader, and distributed_loader with report() every step")
     parser.add_argument("--block-steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--raw", help="part 5: write every block's figures to this JSON file")

@@ -67,6 +67,48 @@ def test_report_in_a_rank_sends_one_event(in_rank):
     assert in_rank.sent == [("metric", {"reports": [report]})]
 
 
+def test_a_ranks_timings_ride_once_a_batch_of_reports_read_off_the_loop_and_the_reports_stay_a_run(in_rank,
+                                                                                                   monkeypatch):
+    import psutil
+
+    reads = []
+
+    class Counted(psutil.Process):
+        def memory_info(self):
+            reads.append(1)
+            return super().memory_info()
+
+    monkeypatch.setattr(psutil, "Process", Counted)
+    for step in range(200):  # a loader's timed batches, report() every step
+        timing.batch_done(data_s=0.001, step_s=0.002, samples=8)
+        metrics.report(step=step, steps=200, loss=float(step))
+    assert reads == []  # nothing read in the training loop (a /proc read costs 30-90 µs)
+    assert len(in_rank.queued) == 1
+    (kind, body), = in_rank.sent  # the sender seals the batch: the timings are read then, once
+    assert reads == [1]
+    assert body["reports"] == [(protocol.RUN, "step", 200, ("loss",), list(range(200)),
+                                [[float(step) for step in range(200)]])]  # alike reports: one run, not 200 dicts
+    stats = body["rank_stats"]
+    assert (stats["batches"], stats["samples"], stats["memory_kind"]) == (200, 1600, "resident") and stats["memory"] > 0
+    assert stats["step_s"] == pytest.approx(0.4) and stats["data_s"] == pytest.approx(0.2)
+    metrics.report(step=200, loss=0.0)  # no batch timed since: the next batch carries no timings
+    assert "rank_stats" not in in_rank.sent[1][1]
+
+
+def test_the_engine_keeps_each_ranks_timings_from_the_batches_of_reports():
+    metrics_of_run = Metrics(2)
+    for rank, comm_s in ((0, 0.5), (1, 0.0)):
+        for _ in range(2):
+            metrics_of_run(None, protocol.METRIC, rank, {"reports": [{"key": "step", "x": 1, "values": {"loss": 1.0}}],
+                                                        "rank_stats": {"batches": 10, "samples": 80, "step_s": 1.0,
+                                                                       "data_s": 0.1, "comm_s": comm_s,
+                                                                       "memory": 2**20, "memory_kind": "resident"}})
+    assert metrics_of_run.ranks[0] == {"batches": 20, "samples_per_s": 80.0, "data_wait": pytest.approx(0.1),
+                                       "comm_wait": pytest.approx(0.5), "compute": pytest.approx(0.4),
+                                       "memory": 2**20, "memory_kind": "resident"}
+    assert metrics_of_run.ranks.straggler()[0] == 1  # rank 0 waits half of each step for rank 1
+
+
 def test_reports_waiting_for_the_sender_travel_together(in_rank):
     metrics.report(epoch=1, loss=1.0)
     metrics.report(epoch=2, loss=2.0)  # the sender has not taken the first event yet: same message

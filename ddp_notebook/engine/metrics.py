@@ -117,7 +117,7 @@ class Metrics:
     def __call__(self, source, kind: str, rank: int, body: dict) -> None:
         try:
             if kind == protocol.METRIC:
-                self._reports(rank, body["reports"])
+                self._reports(rank, body["reports"], body.get("rank_stats"))
             elif kind == protocol.RESTARTED:
                 self._restarted(body)
             elif kind == protocol.ENDED:
@@ -127,13 +127,12 @@ class Metrics:
                 self._warned = True
                 print(f"ddp_notebook: the metrics failed on a {kind!r} event: {exc!r}", file=sys.stderr)
 
-    def _reports(self, rank: int, reports: list) -> None:
+    def _reports(self, rank: int, reports: list, rank_stats: dict | None) -> None:
         with self._forwarding:
             with self.lock:
                 updates = self.reducer.add_many(rank, reports)
-                for report in reports:
-                    if type(report) is dict and "rank_stats" in report:  # (a run carries none)
-                        self.ranks.add(rank, report["rank_stats"])
+                if rank_stats is not None:
+                    self.ranks.add(rank, rank_stats)
                 notices, self.reducer.notices = self.reducer.notices, []
                 self._schedule_settle()
             self._forward(updates)

@@ -189,7 +189,7 @@ class DistributedLoader(DataLoader):
                 return
             data_s = time.perf_counter() - wait_started
             profiling.step(from_loader=True)
-            if stoppable and stopping.at_boundary(self._where(done)):
+            if stoppable and stopping.at_batch(lambda: self._where(done)):
                 return
             yield batch
             now = time.perf_counter()

@@ -42,7 +42,10 @@ class _Batch:
     third more CPU), a lone report leaves within 50 ms, and none is left
     behind: every batch is in the sender's queue before ``report()`` returns,
     and the worker flushes that queue.  It arrives in the notebook as a plain
-    ``{"reports": [...]}`` dict, alike reports packed in runs (``protocol.pack_reports``).
+    ``{"reports": [...]}`` dict, alike reports packed in runs (``protocol.pack_reports``),
+    with ``rank_stats`` (``timing.take()``: where the rank's time went since the last
+    batch, read as the batch is sealed, off the training loop) when its loader timed
+    batches meanwhile.
     """
 
     __slots__ = ("reports", "sealed", "sender")
@@ -59,7 +62,11 @@ class _Batch:
             self.sealed = True
             reports = list(self.reports)
         _window_s = BUSY_BATCH_WINDOW_S if len(reports) >= BUSY_BATCH else BATCH_WINDOW_S
-        return dict, ((("reports", protocol.pack_reports(reports)),),)
+        fields = [("reports", protocol.pack_reports(reports))]
+        rank_stats = timing.take()  # where this rank's time went since the last batch: once a batch, not a report
+        if rank_stats is not None:
+            fields.append(("rank_stats", rank_stats))
+        return dict, (tuple(fields),)
 
 
 class Sum:
@@ -145,9 +152,6 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         body["sum"] = summed
     if key == "step" and epoch is not None:
         body["epoch"] = epoch
-    rank_stats = timing.take()  # where this rank's time went since its last report (rides on this one)
-    if rank_stats is not None:
-        body["rank_stats"] = rank_stats
     _queue_report(ctx.sender, body)
 
 

@@ -6,8 +6,8 @@ whole step), and when the model is wrapped in ``DistributedDataParallel`` a
 communication hook (DDP's default all-reduce, timed) measures how long this
 rank's gradients wait in the all-reduce for the others.  Under DDP every rank's
 step lasts as long as the slowest one's: the straggler is the rank the others wait
-for.  The totals since the last ``report()`` ride on that report (its
-``rank_stats``); nothing else is sent.
+for.  The totals since the last batch of reports ride on the next batch (its
+``rank_stats``, read by the sender thread as the batch is sealed); nothing else is sent.
 """
 from __future__ import annotations
 

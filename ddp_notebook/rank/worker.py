@@ -64,7 +64,7 @@ class Inbox:
 
     Between tasks the main thread waits here for the next message, so a warm pool's task starts as soon as it
     arrives (no hand-over from a receiving thread).  During a task, what arrives is read at each batch boundary
-    (:func:`stopping.at_boundary` calls :meth:`take_waiting`): a stop request counts at once, the rest waits for
+    (:func:`stopping.at_batch` and the other boundaries call :meth:`take_waiting`): a stop request counts at once, the rest waits for
     the task's end.  A closed connection ends the rank, whenever it happens (:func:`_die_when_closed`).
     """
 

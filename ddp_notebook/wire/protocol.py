@@ -58,7 +58,8 @@ X_KEYS = ("epoch", "step")
 TOTAL_KEYS = {"epoch": "epochs", "step": "steps"}
 META_KEYS = frozenset(("epoch", "step", "epochs", "steps", "partial"))  # where a record sits, not what it measured
 
-# A METRIC's reports: each a record {key, x, values[, total, n, sum, epoch, rank_stats]}, or a run of records that
+# A METRIC: {reports[, rank_stats]}, rank_stats where the rank's time went since its last METRIC (rank/timing.py).
+# Its reports: each a record {key, x, values[, total, n, sum, epoch]}, or a run of records that
 # carry key, x, values and total alone, with the same key, metric names (in one order) and total, one after the
 # other: (RUN, key, total, names, xs, columns), columns[j][i] the value of names[j] at xs[i].  A rank reporting every
 # step sends a few runs a second: a list of numbers a metric is a fraction of a dict a report to pickle and read.

@@ -4,6 +4,7 @@
 at the prompt end the job with nothing left; a front end without stdin makes the prompt fail at once."""
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -31,6 +32,17 @@ def kc():
     with kernel(SETUP) as (km, client):
         client.km = km
         yield client
+
+
+@contextlib.contextmanager
+def _pool(kc):
+    """(manager, client) of the module's kernel with a warm pool of 2 CPU ranks, stopped afterwards."""
+    reply, told, _ = run_answering(kc, "%ddp_start --cpus 2", [])
+    assert reply["status"] == "ok", told
+    try:
+        yield kc.km, kc
+    finally:
+        run_answering(kc, "%ddp_stop", [])
 
 
 def test_pdb_in_rank_1_shows_its_values_steps_and_goes_on_past_output_0(kc, no_leftovers):
@@ -186,8 +198,8 @@ except Exception as exc:
                      r"cell has returned, so no input box can reach the notebook", told), told
 
 
-def test_on_a_warm_pool_an_interrupt_at_the_prompt_leaves_the_pool_usable(no_leftovers):
-    with kernel(SETUP + "\n%ddp_start --cpus 2") as (km, client):
+def test_on_a_warm_pool_an_interrupt_at_the_prompt_leaves_the_pool_usable(kc, no_leftovers):
+    with _pool(kc) as (km, client):
         reply, told, prompts = run_answering(client, "%%ddp\nkept = 5\nif rank == 0:\n    breakpoint()\n",
                                              [lambda prompt: km.interrupt_kernel()])
         assert reply["status"] == "error" and prompts == ["(Pdb rank 0) "]
@@ -284,8 +296,8 @@ def test_debug_refuses_a_job_on_several_hosts_before_anything_starts(kc):
            "(--nnodes) or of a Slurm job (--executor) end with their task" in told, told
 
 
-def test_a_warm_pools_last_failed_cell_can_be_debugged_without_debug(no_leftovers):
-    with kernel(SETUP + "\n%ddp_start --cpus 2") as (km, client):
+def test_a_warm_pools_last_failed_cell_can_be_debugged_without_debug(kc, no_leftovers):
+    with _pool(kc) as (km, client):
         reply, told, _ = run_answering(client, "%%ddp\nnumbers = [rank] * 3\nraise KeyError(f'missing {rank}')", [])
         assert reply["status"] == "error" and "KeyError" in told
         reply, told, prompts = run_answering(client, "%ddp_debug", ["p numbers", "c"])
@@ -310,7 +322,7 @@ def test_a_warm_pools_last_failed_cell_can_be_debugged_without_debug(no_leftover
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_rank_on_another_node_prompts_in_the_notebook_over_the_channel(tmp_path, no_leftovers):
+def test_a_rank_on_another_node_prompts_in_the_notebook_over_the_channel(kc, tmp_path, no_leftovers):
     from test_torchrun import _agent, _free_port, _running, _stop
 
     script, port = tmp_path / "job.py", _free_port()
@@ -318,9 +330,8 @@ def test_a_rank_on_another_node_prompts_in_the_notebook_over_the_channel(tmp_pat
     node1 = _agent(["--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
                     "--master-port", port, script], tmp_path, log)
     try:
-        with kernel(SETUP) as (km, client):
-            flags = f"--nnodes 2 --master-addr 127.0.0.1 --port {port} --cpus 1 --export {script}"
-            reply, told, prompts = run_answering(client, f"""%%ddp {flags}
+        flags = f"--nnodes 2 --master-addr 127.0.0.1 --port {port} --cpus 1 --export {script}"
+        reply, told, prompts = run_answering(kc, f"""%%ddp {flags}
 value = 40 + rank
 if rank == 1:
     breakpoint()
@@ -372,8 +383,8 @@ print("went on", rank)
     assert "[rank 0] went on 0" in told and "[rank 1] went on 1" in told
 
 
-def test_a_warm_pool_that_restarts_after_the_failure_has_no_rank_to_debug_and_says_so(no_leftovers):
-    with kernel(SETUP + "\n%ddp_start --cpus 2") as (km, client):
+def test_a_warm_pool_that_restarts_after_the_failure_has_no_rank_to_debug_and_says_so(kc, no_leftovers):
+    with _pool(kc) as (km, client):
         reply, told, _ = run_answering(client, FAILING.format(flags=" --debug").replace(" --cpus 2", ""), [])
         assert reply["status"] == "error" and "rank 1 failed: ValueError: bad 41" in told
         assert "waits at its failure" not in told  # rank 0 was left in the barrier: the pool restarted its ranks

@@ -360,8 +360,8 @@ for epoch in range(3):
 
 
 @pytest.mark.kernel
-def test_a_detached_job_is_followed_from_another_kernel(slurm, tmp_path):
-    with kernel() as (km, kc):
+def test_a_detached_job_is_followed_from_another_kernel(shared, slurm, tmp_path):
+    with shared.take() as (km, kc):
         _run(kc, _setup(str(tmp_path / "runs" / "%j")))
         started = time.monotonic()
         reply_seen = []
@@ -381,7 +381,7 @@ def test_a_detached_job_is_followed_from_another_kernel(slurm, tmp_path):
 
 
 @pytest.mark.kernel
-def test_a_queued_job_says_so_then_runs(slurm, tmp_path):
+def test_a_queued_job_says_so_then_runs(shared, slurm, tmp_path):
     # The node's 2 CPUs go to another job first: ours waits for Resources, and says so, until that job is cancelled.
     blocker = subprocess.run(["sbatch", "--parsable", "-n", "2", "--job-name", JOB_NAME, "--output", "/dev/null",
                               "--wrap", "sleep 120"], capture_output=True, text=True, check=True).stdout.strip()
@@ -392,7 +392,7 @@ def test_a_queued_job_says_so_then_runs(slurm, tmp_path):
             released.append(subprocess.run(["scancel", blocker], check=True))
 
     try:
-        with kernel() as (km, kc):
+        with shared.take() as (km, kc):
             _run(kc, _setup(str(tmp_path / "runs" / "%j")) + "import json")
             out, seen = _run(kc, TRAIN, on_message=release_once_queued)
             assert released  # it said it was queued, and ran once the CPUs were free
@@ -464,16 +464,17 @@ print("after", rank)
 @pytest.mark.slow
 @pytest.mark.kernel
 @pytest.mark.timeout(300)
-def test_a_slurm_task_prompts_in_the_notebook_and_one_reporting_through_files_says_it_cannot(slurm, tmp_path):
+def test_a_slurm_task_prompts_in_the_notebook_and_one_reporting_through_files_says_it_cannot(shared, slurm,
+                                                                                              tmp_path):
     from test_debugger import debugger_text
 
-    with kernel() as (km, client):
+    with shared.take() as (km, client):
         run_answering(client, _setup(str(tmp_path / "runs" / "%j")), [])
         reply, told, prompts = run_answering(client, SLURM_CELL, ["p value", "c"], timeout=200)
         assert reply["status"] == "ok", told
         assert prompts == ["(Pdb rank 1) "] * 2 and "\n41\n" in debugger_text(told)
         assert "[rank 0] after 0" in told and "[rank 1] after 1" in told
-    with kernel() as (km, client):  # no rank reaches this kernel: they report through files
+    with shared.take() as (km, client):  # no rank reaches the notebook: they report through files
         run_answering(client, _setup(str(tmp_path / "files" / "%j"), host="192.0.2.1"), [])
         reply, told, prompts = run_answering(client, SLURM_CELL, [], timeout=200)
         assert reply["status"] == "error" and prompts == []

@@ -149,7 +149,8 @@ def should_stop() -> bool:
     """True on every rank at the same call once the notebook asked for a graceful stop (the stop button,
     the dashboard's Stop, ``job.stop()``); for loops that use no ``distributed_loader``.
 
-    Every rank must call it equally often (it is a small collective); it stays True once True.
+    Every rank must call it equally often (about every 50 ms of steps it takes part in a small collective); it
+    stays True once True.
     """
     ctx = context.current()
     if ctx is None or ctx.sender is None:

@@ -302,6 +302,9 @@ def _interrupted_pool_cell(warm, spin_cycles: int) -> str:
         signal.pthread_kill(main_thread, signal.SIGINT)
 
     told = io.StringIO()
+    # (A shell starts a command run in the background, `gpu_check.py &`, with SIGINT ignored, and Python keeps it
+    # so: the interrupt below would never come.)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     with contextlib.redirect_stderr(told):
         try:

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _what_a_rank_sees():
+    import gc
     import os
     import signal
     import sys
@@ -42,6 +43,9 @@ def _what_a_rank_sees():
         # the template's own handling of its children's ends is not a rank's
         "signals": {sig.name: repr(signal.getsignal(sig)) for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE)},
         "wakeup_fd": signal.set_wakeup_fd(-1),
+        # user code runs with the collector on, and no collection walks what the rank imported (rank/heap.py)
+        "collector": {"enabled": gc.isenabled(), "torch_frozen": gc.get_freeze_count() > len(sys.modules) * 100,
+                      "torch_walked": any(obj is torch.__dict__ for obj in gc.get_objects())},
     }
 
 
@@ -71,6 +75,7 @@ def test_a_forked_rank_takes_the_session_environment_directory_and_path_of_now(t
         assert rank_saw["cuda_initialized"] is False
         assert rank_saw["tag"] == os.environ["DDP_NOTEBOOK_TEST_TAG"]
         assert rank_saw["signals"]["SIGCHLD"] == repr(signal.SIG_DFL) and rank_saw["wakeup_fd"] == -1
+        assert rank_saw["collector"] == {"enabled": True, "torch_frozen": True, "torch_walked": False}
         # It reads as a fresh rank does, to ps and to anything that looks for ranks by their command line.
         assert " ".join(rank_saw["cmdline"]).split()[1:] == \
             template.python_module_command("ddp_notebook.rank.worker")[1:]  # -P: nothing of the working folder

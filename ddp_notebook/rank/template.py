@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import gc
 import importlib
 import importlib.util
 import os
@@ -37,6 +35,8 @@ import sys
 import threading
 import traceback
 from typing import Callable
+
+from . import heap
 
 # A forked rank's command line reads as a fresh rank's (started as this process was: -P where the working folder is
 # kept off sys.path).
@@ -114,15 +114,6 @@ def _reap(statuses: dict[int, int]) -> None:
             except OSError:
                 pass
             os.close(fd)
-
-
-def _settle_heap() -> None:
-    """Give the imports' garbage and freed heap back to the system before ranks inherit the template's pages."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _end_when_the_notebook_goes(sock: socket.socket, notebook: int) -> Callable[[], None]:
@@ -260,7 +251,7 @@ def _preload(name: str, modules: list[str], file: str | None, sys_path: list[str
     elsewhere = _found_elsewhere(name, file)
     if elsewhere is not None:
         return {"module": name, "error": elsewhere}
-    with environment_reads() as read:
+    with environment_reads() as read, heap.importing():
         try:
             library = importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: the ranks import it themselves
@@ -289,7 +280,7 @@ def main() -> None:
     # which would taint the template; without it jemalloc purges as it frees (Arrow allocates from mimalloc anyway).
     # Read once, when jemalloc starts; a rank takes the notebook's environment all the same.
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
-    with environment_reads() as read:
+    with environment_reads() as read, heap.importing():
         import cloudpickle  # noqa: F401  what every rank imports, once
         import numpy  # noqa: F401
         import torch  # noqa: F401
@@ -301,7 +292,7 @@ def main() -> None:
 
     stop_watching()  # the loop below watches for the notebook itself
     _set_title(" ".join([sys.executable, "-m", "ddp_notebook.rank.template"]))
-    _settle_heap()
+    heap.settle()
     statuses: dict[int, int] = {}  # rank pid -> its status pipe
     # A rank's end wakes the loop (a byte on this pipe), so its status reaches the notebook at once.
     child_ended, wake = os.pipe()
@@ -331,7 +322,7 @@ def main() -> None:
                 tainted = tainted or (done["error"] if done.get("tainted") else None)
                 forking.send(sock, {"kind": forking.PRELOADED, **done})
                 if not to_preload:
-                    _settle_heap()
+                    heap.settle()
             continue
         try:
             received = forking.receive(sock)

@@ -22,8 +22,8 @@ import time
 
 from ..wire import protocol
 from ..wire import channel
-from . import (background_saves, collectives, context, debugging, display, metrics, profiling, rendezvous, replicas,
-               sharded, stopping, streams, timing)
+from . import (background_saves, collectives, context, debugging, display, heap, metrics, profiling, rendezvous,
+               replicas, sharded, stopping, streams, timing)
 from ..wire import payload, sharing
 from ..wire.errors import classify, format_exception
 
@@ -446,8 +446,9 @@ def serve(boot: protocol.RankStart) -> None:
     """Connect to the notebook, join the process group, run tasks until told to exit; never returns."""
     debugging.install(None, None)  # input() in a cell says why it cannot work, not "I/O operation on closed file"
     streams.keep_in_order()
-    import torch.distributed  # noqa: F401  the rank's own imports, from where the notebook's came: never from the
-    #                           working folder, which the notebook's sys.path (applied next) may hold
+    with heap.importing():  # a forked rank imported it in the template
+        import torch.distributed  # noqa: F401  the rank's own imports, from where the notebook's came: never from
+        #                           the working folder, which the notebook's sys.path (applied next) may hold
     sys.path[:] = boot.sys_path
     if boot.libraries:
         sys.meta_path.insert(0, NotebookLibraries(boot.libraries))

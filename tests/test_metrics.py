@@ -4,6 +4,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ class FakeSender:
 def in_rank():
     sender = FakeSender()
     timing.reset()  # batches timed by other tests in this process are not this rank's
+    metrics.begin_task()  # (as a rank does at each task's start)
     context.set_current(context.RankContext(rank=1, local_rank=1, world_size=2, local_world_size=2, sender=sender))
     yield sender
     context.set_current(None)
@@ -127,6 +129,53 @@ def test_report_steps_and_implicit_steps(in_rank):
     bodies = in_rank.sent[0][1]["reports"]
     assert (bodies[0]["key"], bodies[0]["x"], bodies[0]["epoch"]) == ("step", 10, 1)
     assert (bodies[1]["key"], bodies[1]["x"]) == ("step", 11)
+
+
+def test_a_step_that_goes_back_starts_a_new_pass_counted_on_and_each_task_starts_afresh(in_rank):
+    for epoch in range(3):
+        for i in range(1, 4):  # steps counted within each epoch, from 1
+            metrics.report(epoch=epoch, step=i, steps=3, loss=float(10 * epoch + i))
+        metrics.report(epoch=epoch, val_loss=float(epoch))  # (another key: its own axis)
+        metrics.report(epoch=epoch, val_acc=0.5)  # the same x again: not a new pass
+    reports = [r for _, body in in_rank.sent for r in protocol.expand_reports(body["reports"])]
+    steps = [r for r in reports if r["key"] == "step"]
+    assert [(r["x"], r["total"], r["epoch"], r["values"]["loss"]) for r in steps] == [
+        (3 * epoch + i, 3 * (epoch + 1), epoch, 10.0 * epoch + i) for epoch in range(3) for i in range(1, 4)]
+    assert [r.get("went_back") for r in steps] == [None] * 3 + [(3, 1), None, None] * 2  # (the user's x values)
+    epochs = [(r["x"], r.get("went_back")) for r in reports if r["key"] == "epoch"]
+    assert epochs == [(0, None), (0, None), (1, None), (1, None), (2, None), (2, None)]
+    metrics.begin_task()  # a warm pool's next cell
+    in_rank.queued.clear()
+    metrics.report(step=1, loss=0.0)
+    metrics.report(loss=1.0)
+    assert [(r["x"], r.get("went_back")) for r in protocol.expand_reports(in_rank.sent[0][1]["reports"])] == [
+        (1, None), (2, None)]
+
+
+def _epochs_of_steps_counted_within_each():
+    import time
+
+    from ddp_notebook import rank_context, report
+
+    rank = rank_context().rank
+    for epoch in range(3):
+        for i in range(4):
+            report(epoch=epoch, step=i, steps=4, loss=float(100 * rank + 10 * epoch + i))
+            time.sleep(0.02)  # (the ranks' batches of reports interleave)
+
+
+def test_steps_counted_within_each_epoch_keep_every_epochs_records_and_the_cell_is_told_once(capfd, no_leftovers):
+    import ddp_notebook
+
+    ddp_notebook.launch(_epochs_of_steps_counted_within_each, cpus=2)
+    assert list(ddp_notebook.last_job().history) == [
+        {"step": 4 * epoch + i, "steps": 4 * (epoch + 1), "epoch": epoch, "loss": 50.0 + 10 * epoch + i}
+        for epoch in range(3) for i in range(4)]  # every epoch's, whole: none partial, none left out
+    told = [line for line in capfd.readouterr().err.splitlines() if "went back" in line]
+    assert len(told) == 1, told
+    assert re.fullmatch(r"ddp_notebook: rank [01]'s step went back from 3 to 0: taken as a new pass, counted on from "
+                        r"step 4 so that every pass keeps its records; give report\(\) a step that keeps rising to "
+                        r"number them yourself", told[0]), told[0]
 
 
 def test_report_refuses_what_is_not_a_number(in_rank):

@@ -599,6 +599,12 @@ class Reducer:
 
     def _take(self, rank: int, body: dict, now: float, updates: list, moved: list) -> None:
         key, x = body["key"], body["x"]
+        went_back = body.get("went_back")
+        if went_back is not None:  # (counted on by the rank: rank/metrics.py)
+            self._tell(f"{key} went back", f"rank {rank}'s {key} went back from {went_back[0]:g} to "
+                                           f"{went_back[1]:g}: taken as a new pass, counted on from {key} {x:g} so "
+                                           f"that every pass keeps its records; give report() a {key} that keeps "
+                                           f"rising to number them yourself")
         self._saw(key, (x,))
         if body.get("total") is not None:
             self.totals[key] = body["total"]

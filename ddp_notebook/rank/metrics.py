@@ -23,6 +23,36 @@ BUSY_BATCH = 10  # last held this many reports or more.  The dashboard redraws a
 
 _last_progress_sent = float("-inf")
 _implicit_step = 0  # the x of reports that give neither epoch nor step
+
+
+class _Axis:
+    """Where one x key of this task's reports stands: a ``step`` that goes back (``report(step=i)`` with ``i`` counted
+    within each epoch) starts a new pass, counted on from one past the last x sent, so that every pass keeps its
+    records and the curve runs on."""
+
+    __slots__ = ("given", "sent", "offset")
+
+    def __init__(self):
+        self.given = float("-inf")  # the last x the user gave
+        self.sent = float("-inf")  # the last x sent
+        self.offset = 0  # added to the user's x from the last time it went back
+
+    def place(self, x, total):
+        """The x and total to send for the user's ``x`` and ``total``, and (last x, x) where ``x`` went back."""
+        went_back = None
+        if x < self.given:
+            went_back = (self.given, x)
+            self.offset = self.sent + 1 - x
+        self.given = x
+        if self.offset:
+            x += self.offset
+            if total is not None:
+                total += self.offset  # the passes so far and this one
+        self.sent = x
+        return x, total, went_back
+
+
+_axes: dict[str, _Axis] = {}
 _batch_lock = threading.Lock()
 _open_batch: "_Batch | None" = None
 _window_s = BATCH_WINDOW_S  # the next batch's
@@ -127,14 +157,14 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         values = metrics
     if step is not None:
         key, x, total = "step", _number("step", step), steps
-        _implicit_step = x
     elif epoch is not None:
         key, x, total = "epoch", _number("epoch", epoch), epochs
     else:
-        _implicit_step += 1
-        key, x, total = "step", _implicit_step, steps
+        key, x, total = "step", _implicit_step + 1, steps
     ctx = context.current()
     if ctx is None or ctx.sender is None:
+        if key == "step":
+            _implicit_step = x
         if ctx is None or ctx.rank == 0:  # under plain torchrun, one line per job is enough
             record = {key: x, **values}
             if total is not None:
@@ -143,6 +173,12 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
                 record["epoch"] = epoch
             print(format_record(record))
         return
+    axis = _axes.get(key)
+    if axis is None:
+        axis = _axes[key] = _Axis()
+    x, total, went_back = axis.place(x, total)
+    if key == "step":
+        _implicit_step = x
     body: dict[str, Any] = {"key": key, "x": x, "values": values}
     if total is not None:
         body["total"] = total
@@ -152,7 +188,16 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         body["sum"] = summed
     if key == "step" and epoch is not None:
         body["epoch"] = epoch
+    if went_back is not None:
+        body["went_back"] = went_back
     _queue_report(ctx.sender, body)
+
+
+def begin_task() -> None:
+    """A task starts: its reports' x axes start afresh (a warm pool's rank runs one task after another)."""
+    global _implicit_step
+    _implicit_step = 0
+    _axes.clear()
 
 
 def _queue_report(sender, body: dict) -> None:

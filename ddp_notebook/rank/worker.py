@@ -326,6 +326,7 @@ def run_task(ctx: context.RankContext, sender, task_id, load, seed: int | None =
         task = load()
         replicas.install()
         timing.reset()
+        metrics.begin_task()
         if seed is not None:
             _seed_everything(seed)
         if running.profile:

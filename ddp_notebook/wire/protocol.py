@@ -59,7 +59,8 @@ TOTAL_KEYS = {"epoch": "epochs", "step": "steps"}
 META_KEYS = frozenset(("epoch", "step", "epochs", "steps", "partial"))  # where a record sits, not what it measured
 
 # A METRIC: {reports[, rank_stats]}, rank_stats where the rank's time went since its last METRIC (rank/timing.py).
-# Its reports: each a record {key, x, values[, total, n, sum, epoch]}, or a run of records that
+# Its reports: each a record {key, x, values[, total, n, sum, epoch, went_back]} (went_back: the user's last x and
+# this one, where the rank counted on past a key that went back), or a run of records that
 # carry key, x, values and total alone, with the same key, metric names (in one order) and total, one after the
 # other: (RUN, key, total, names, xs, columns), columns[j][i] the value of names[j] at xs[i].  A rank reporting every
 # step sends a few runs a second: a list of numbers a metric is a fraction of a dict a report to pickle and read.

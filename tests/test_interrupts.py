@@ -70,8 +70,14 @@ momentum_same = _same(_flat(buffers)) if buffers else None
 
 
 def _interrupted(km, kc, code, after):
-    """Start a cell and interrupt it ``after`` seconds later: (reply content, told)."""
+    """Start a cell and interrupt it ``after`` seconds after the kernel began it: (reply content, told).  (An
+    interrupt that reaches ipykernel while it is still taking the request from its queue is ipykernel's: it logs
+    "KeyboardInterrupt caught in kernel" and the request may never be answered.)"""
     msg_id = kc.execute(code, stop_on_error=False)  # (nbrun.run_until_pids says why)
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+            break
     time.sleep(after)
     km.interrupt_kernel()
     return _until_idle(kc, msg_id)
@@ -107,7 +113,8 @@ def test_the_stop_button_stops_a_plain_dataloader_ddp_loop_in_step_every_time(sh
                 graceful += 1
                 assert re.fullmatch(r"ddp_notebook: stopped at step \d+\. The cells queued after this one are not "
                                     r"run\.", told.strip()), told
-            else:  # the interrupt came before the loop's first forward: a hard stop, then the replica check
+            else:  # the interrupt came before the loop's first forward (a hard stop, then the replica check) or
+                #    before the ranks had the cell
                 assert reply["ename"] == "KeyboardInterrupt", told
                 assert "keep their state" in told or "drifted apart" in told or "restarted" in told, told
                 if "restarted" in told:  # the pool's ranks were made anew: the model is made again
@@ -176,6 +183,33 @@ def test_a_replica_check_that_finds_them_in_step_says_so(shared, no_leftovers):
         reply, told = _until_idle(kc, msg_id)
         assert "ddp_notebook: cell interrupted; the warm pool's ranks are back and keep their state (the DDP " \
                "replicas of 'model' are the same on every rank)" in told, told
+        _print(kc, "%ddp_stop")
+        assert gone(pids, 10)
+
+
+SLOW_TO_SHIP = '''
+import time
+class SlowToShip:
+    """Pickling it, as a cell that uses it ships it to the ranks, takes seconds."""
+    def __reduce__(self):
+        time.sleep(5)
+        return (SlowToShip, ())
+slow = SlowToShip()
+'''
+
+
+def test_an_interrupt_while_the_cell_is_prepared_says_no_rank_ran_it_and_the_pool_keeps_its_state(shared,
+                                                                                                  no_leftovers):
+    with _pool(shared) as (km, kc):
+        _, pids = run_until_pids(kc, "%%ddp\nimport os\ncounter = 1\nprint('PID', os.getpid(), flush=True)")
+        assert _run(kc, SLOW_TO_SHIP)[0]["status"] == "ok"
+        reply, told = _interrupted(km, kc, "%%ddp\ncounter += 1\nprint(slow)", after=1.0)
+        assert (reply["ename"], told.strip()) == (
+            "KeyboardInterrupt", "KeyboardInterrupt: the %%ddp cell was interrupted before its ranks started it; the "
+                                 "warm pool's ranks keep their state (they never received the cell)"), told
+        reply, told = _run(kc, "%%ddp --return counter, pid\npid = os.getpid()")
+        assert reply["status"] == "ok", told
+        assert _print(kc, "print(counter, pid in %r)" % (pids,)) == "1 True"  # not run, nor restarted
         _print(kc, "%ddp_stop")
         assert gone(pids, 10)
 

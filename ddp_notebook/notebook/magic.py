@@ -236,6 +236,8 @@ class DDPMagics(Magics):
                 export=args.export, output_ranks=output_ranks, executor=executor, force=args.force, wait=args.wait)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
+        except KeyboardInterrupt:  # (reading the cell, planning: nothing was sent)
+            raise _interrupted_before_start(warm) from None
         try:
             written = f"%%ddp {line}\n{cell}"
             payload.hold_cell_text(filename, written, label)  # IPython holds the transformed call
@@ -272,6 +274,8 @@ class DDPMagics(Magics):
                 spec.release_devices()  # the job will not run: its GPUs go back now
             if isinstance(exc, LaunchError):
                 raise UsageError(str(exc)) from None
+            if isinstance(exc, KeyboardInterrupt):  # (the names and sources pickled, the job made: nothing sent)
+                raise _interrupted_before_start(warm) from None
             raise
 
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure

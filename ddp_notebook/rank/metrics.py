@@ -26,9 +26,9 @@ _implicit_step = 0  # the x of reports that give neither epoch nor step
 
 
 class _Axis:
-    """Where one x key of this task's reports stands: a ``step`` that goes back (``report(step=i)`` with ``i`` counted
-    within each epoch) starts a new pass, counted on from one past the last x sent, so that every pass keeps its
-    records and the curve runs on."""
+    """Where one x key (``step`` or ``epoch``) of this task's reports stands: an x that goes back (``report(step=i)``
+    with ``i`` counted within each epoch) starts a new pass, counted on from one past the last x sent, so that every
+    pass keeps its records and the curve runs on."""
 
     __slots__ = ("given", "sent", "offset")
 

@@ -4,6 +4,7 @@ import contextlib
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -192,7 +193,7 @@ import time
 class SlowToShip:
     """Pickling it, as a cell that uses it ships it to the ranks, takes seconds."""
     def __reduce__(self):
-        time.sleep(5)
+        time.sleep(30)  # (an interrupt ends it at once)
         return (SlowToShip, ())
 slow = SlowToShip()
 '''
@@ -210,6 +211,26 @@ def test_an_interrupt_while_the_cell_is_prepared_says_no_rank_ran_it_and_the_poo
         reply, told = _run(kc, "%%ddp --return counter, pid\npid = os.getpid()")
         assert reply["status"] == "ok", told
         assert _print(kc, "print(counter, pid in %r)" % (pids,)) == "1 True"  # not run, nor restarted
+        _print(kc, "%ddp_stop")
+        assert gone(pids, 10)
+
+
+def test_an_interrupt_after_the_pool_restarted_for_the_cell_says_its_ranks_hold_nothing(shared, no_leftovers):
+    with _pool(shared) as (km, kc):
+        _, pids = run_until_pids(kc, "%%ddp\nimport os\ncounter = 1\nprint('PID', os.getpid(), flush=True)")
+        assert _run(kc, SLOW_TO_SHIP)[0]["status"] == "ok"
+        os.kill(max(pids), signal.SIGKILL)  # the cell finds a rank dead: the pool restarts, then ships the names
+        noticed = "from ddp_notebook.engine import pool\nprint(len(pool.current().group.alive))"
+        deadline = time.time() + 20  # (the rank's end reaches the pool once the template has reaped it)
+        while _print(kc, noticed) != "1" and time.time() < deadline:
+            time.sleep(0.2)
+        # Interrupted well after the restart (a second or two), while `slow` is pickled.
+        reply, told = _interrupted(km, kc, "%%ddp\ncounter += 1\nprint(slow)", after=6.0)
+        assert reply["ename"] == "KeyboardInterrupt", told
+        assert "the warm pool was restarted and the names its ranks held are gone" in told, told
+        assert told.strip().splitlines()[-1] == (
+            "KeyboardInterrupt: the %%ddp cell was interrupted before its ranks started it; the warm pool's ranks "
+            "were started anew meanwhile and hold nothing of earlier cells"), told
         _print(kc, "%ddp_stop")
         assert gone(pids, 10)
 

@@ -144,12 +144,18 @@ def test_a_step_that_goes_back_starts_a_new_pass_counted_on_and_each_task_starts
     assert [r.get("went_back") for r in steps] == [None] * 3 + [(3, 1), None, None] * 2  # (the user's x values)
     epochs = [(r["x"], r.get("went_back")) for r in reports if r["key"] == "epoch"]
     assert epochs == [(0, None), (0, None), (1, None), (1, None), (2, None), (2, None)]
-    metrics.begin_task()  # a warm pool's next cell
+    metrics.report(loss=1.0)  # no step: the next one, counted on as the user's steps are
+    assert [(r["x"], r.get("went_back")) for r in protocol.expand_reports(in_rank.sent[-1][1]["reports"])][-1] == \
+        (10, None)
+
+    metrics.begin_task()  # a warm pool's next cell: its steps start afresh
     in_rank.queued.clear()
-    metrics.report(step=1, loss=0.0)
-    metrics.report(loss=1.0)
-    assert [(r["x"], r.get("went_back")) for r in protocol.expand_reports(in_rank.sent[0][1]["reports"])] == [
-        (1, None), (2, None)]
+    for step in (0, 1, 2, 3, 1, 4, 0, 1):  # no epoch given: back at the first step is a new pass; a validation
+        metrics.report(step=step, loss=float(step))  # reported at an earlier step is not
+    metrics.report(loss=9.0)
+    sent = [(r["x"], r.get("went_back")) for _, body in in_rank.sent for r in protocol.expand_reports(body["reports"])]
+    assert sent == [(0, None), (1, None), (2, None), (3, None), (1, None), (4, None), (5, (4, 0)), (6, None),
+                    (7, None)]
 
 
 def _epochs_of_steps_counted_within_each():

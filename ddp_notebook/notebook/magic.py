@@ -209,6 +209,7 @@ class DDPMagics(Magics):
         export_only = args.export is not None and args.nnodes == 1
         executor = _executor(shell, args.executor)
         warm = api.warm_pool_for(args.gpus, args.cpus, args.nnodes, export_only, executor)
+        warm_as_found = (warm.group, warm.restarts) if warm is not None else None  # (an interrupt says what it kept)
         try:
             job_spec.check_options(args.port, args.seed, args.timeout, max_restarts=args.max_restarts,
                                    nnodes=args.nnodes, hang_after=args.hang_after)
@@ -237,7 +238,7 @@ class DDPMagics(Magics):
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         except KeyboardInterrupt:  # (reading the cell, planning: nothing was sent)
-            raise _interrupted_before_start(warm) from None
+            raise _interrupted_before_start(warm, warm_as_found) from None
         try:
             written = f"%%ddp {line}\n{cell}"
             payload.hold_cell_text(filename, written, label)  # IPython holds the transformed call
@@ -274,8 +275,8 @@ class DDPMagics(Magics):
                 spec.release_devices()  # the job will not run: its GPUs go back now
             if isinstance(exc, LaunchError):
                 raise UsageError(str(exc)) from None
-            if isinstance(exc, KeyboardInterrupt):  # (the names and sources pickled, the job made: nothing sent)
-                raise _interrupted_before_start(warm) from None
+            if isinstance(exc, KeyboardInterrupt) and not args.detach:  # (names pickled, the job made: nothing
+                raise _interrupted_before_start(warm, warm_as_found) from None  # sent; a detached job may be queued)
             raise
 
         def settle(job):  # on a warm pool: what the ranks hold now, and recovery after a failure
@@ -293,7 +294,7 @@ class DDPMagics(Magics):
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
         except KeyboardInterrupt:
-            raise _interrupted_before_start(warm) from None
+            raise _interrupted_before_start(warm, warm_as_found) from None
         try:
             results = job.result()
         except KeyboardInterrupt:
@@ -557,9 +558,18 @@ class CellStopped(Stopped):
         super().__init__(job.stopped_text, kept)
 
 
-def _interrupted_before_start(warm) -> KeyboardInterrupt:
-    """The KeyboardInterrupt of a cell stopped before its ranks had its task: no rank ran any of it."""
-    kept = "; the warm pool's ranks keep their state (they never received the cell)" if warm is not None else ""
+def _interrupted_before_start(warm, as_found: tuple | None) -> KeyboardInterrupt:
+    """The KeyboardInterrupt of a cell stopped before its ranks had its task: no rank ran any of it.  ``as_found``:
+    the warm pool's (group, restarts) when the cell began, to tell whether its ranks are still those."""
+    kept = ""
+    if warm is not None and warm.group is None:
+        kept = "; the warm pool was stopped as it restarted (%ddp_start starts another)"
+    elif warm is not None and (warm.group, warm.restarts) != as_found:
+        kept = "; the warm pool's ranks were started anew meanwhile and hold nothing of earlier cells"
+    elif warm is not None:
+        dead = sorted(set(range(warm.spec.world_size)) - set(warm.group.alive))
+        kept = (f"; rank(s) {', '.join(map(str, dead))} of the warm pool had died: the next cell restarts it" if dead
+                else "; the warm pool's ranks keep their state (they never received the cell)")
     interrupt = KeyboardInterrupt(f"the %%ddp cell was interrupted before its ranks started it{kept}")
     interrupt._render_traceback_ = f"KeyboardInterrupt: {interrupt}".splitlines
     return interrupt

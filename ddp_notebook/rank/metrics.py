@@ -26,24 +26,31 @@ _implicit_step = 0  # the x of reports that give neither epoch nor step
 
 
 class _Axis:
-    """Where one x key (``step`` or ``epoch``) of this task's reports stands: an x that goes back (``report(step=i)``
-    with ``i`` counted within each epoch) starts a new pass, counted on from one past the last x sent, so that every
-    pass keeps its records and the curve runs on."""
+    """Where this task's ``step`` axis stands.  A step counted within each epoch (``report(epoch=e, step=i)``, or
+    ``report(step=i)`` alone) goes back at each new epoch: that starts a new pass, counted on from one past the last
+    step sent, so that every pass keeps its records and the curve runs on.  A step goes back so when the epoch given
+    with it changed, or, with no epoch given, when it is back at the task's first step or below; any other step
+    that goes back (a validation reported at an earlier step) is sent as given."""
 
-    __slots__ = ("given", "sent", "offset")
+    __slots__ = ("first", "given", "epoch", "sent", "offset")
 
     def __init__(self):
-        self.given = float("-inf")  # the last x the user gave
-        self.sent = float("-inf")  # the last x sent
-        self.offset = 0  # added to the user's x from the last time it went back
+        self.first = None  # the task's first step, as the user gave it
+        self.given = float("-inf")  # the last step the user gave
+        self.epoch = None  # the epoch given with it
+        self.sent = float("-inf")  # the last step sent
+        self.offset = 0  # added to the user's steps from the last time they went back
 
-    def place(self, x, total):
-        """The x and total to send for the user's ``x`` and ``total``, and (last x, x) where ``x`` went back."""
+    def place(self, x, total, epoch):
+        """The step and total to send for the user's step ``x``, ``total`` and ``epoch``, and (last step, ``x``) where
+        ``x`` started a new pass."""
         went_back = None
-        if x < self.given:
+        if self.first is None:
+            self.first = x
+        elif x < self.given and (epoch != self.epoch if epoch is not None else x <= self.first):
             went_back = (self.given, x)
             self.offset = self.sent + 1 - x
-        self.given = x
+        self.given, self.epoch = x, epoch
         if self.offset:
             x += self.offset
             if total is not None:
@@ -52,7 +59,7 @@ class _Axis:
         return x, total, went_back
 
 
-_axes: dict[str, _Axis] = {}
+_step_axis = _Axis()
 _batch_lock = threading.Lock()
 _open_batch: "_Batch | None" = None
 _window_s = BATCH_WINDOW_S  # the next batch's
@@ -173,12 +180,10 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
                 record["epoch"] = epoch
             print(format_record(record))
         return
-    axis = _axes.get(key)
-    if axis is None:
-        axis = _axes[key] = _Axis()
-    x, total, went_back = axis.place(x, total)
+    went_back = None
     if key == "step":
-        _implicit_step = x
+        _implicit_step = x  # (the user's numbering)
+        x, total, went_back = _step_axis.place(x, total, epoch)
     body: dict[str, Any] = {"key": key, "x": x, "values": values}
     if total is not None:
         body["total"] = total
@@ -194,10 +199,10 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
 
 
 def begin_task() -> None:
-    """A task starts: its reports' x axes start afresh (a warm pool's rank runs one task after another)."""
-    global _implicit_step
+    """A task starts: its reports' steps start afresh (a warm pool's rank runs one task after another)."""
+    global _implicit_step, _step_axis
     _implicit_step = 0
-    _axes.clear()
+    _step_axis = _Axis()
 
 
 def _queue_report(sender, body: dict) -> None:

@@ -3,6 +3,9 @@ benchmarks/RESULTS_heap.md.
 
     python benchmarks/bench_heap.py --before PATH [--repeats 6] [--out FILE]
 
+Two conditions, one table each: a quiet machine, then a busy one (one CPU-bound process beside, started for the
+rounds and stopped after).
+
 Each round runs, in a fresh python for each of "now" and "before" (``PATH``: a folder holding an older
 ``ddp_notebook``, e.g. ``git worktree add PATH BASE``), the order alternating: two ``launch()`` calls of a 2-rank
 DDP job that builds a small DDP model, runs a step and then a full collection (``gc.collect()``, as Python makes by
@@ -68,26 +71,35 @@ def main() -> None:
     args = parser.parse_args()
     arms = {"now": ROOT, "before": os.path.abspath(args.before)}
     once(ROOT)  # (unrecorded: the page cache)
-    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    for round_ in range(args.repeats):
-        for arm in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
-            runs[arm].append(once(arms[arm]))
-            print(arm, runs[arm][-1], flush=True)
     lines = ["# The rank template's imports and the garbage collector", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
-             f"`python benchmarks/bench_heap.py --before PATH --repeats {args.repeats}`: {args.repeats} rounds, "
-             "each a fresh python per arm, the order alternating; medians (min–max). A round: two `launch()` calls "
-             "of a 2-rank job that builds a DDP model, runs a step, then `gc.collect()` and reads its PSS.", "",
-             "| | now | before | now / before |", "|---|---|---|---|"]
-    rows = (("template and ranks, CPU-s (the script's children)", lambda r: [r["cpu_s"]]),
-            ("first `launch()` (starts the template), s", lambda r: [r["first_s"]]),
-            ("a rank's full collection, ms", lambda r: r["collect_ms"]),
-            ("a rank's PSS after it, MiB", lambda r: r["pss_mib"]))
-    for label, read in rows:
-        now = [v for r in runs["now"] for v in read(r)]
-        before = [v for r in runs["before"] for v in read(r)]
-        lines.append(f"| {label} | {_median(now)} | {_median(before)} | "
-                     f"{statistics.median(now) / statistics.median(before):.2g}× |")
+             f"`python benchmarks/bench_heap.py --before PATH --repeats {args.repeats}`: {args.repeats} rounds a "
+             "condition, each a fresh python per arm, the order alternating; medians (min–max). A round: two "
+             "`launch()` calls of a 2-rank job that builds a DDP model, runs a step, then `gc.collect()` and reads "
+             "its PSS."]
+    for condition in ("quiet", "busy"):
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if condition == "busy" else None
+        try:
+            runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+            for round_ in range(args.repeats):
+                for arm in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
+                    runs[arm].append(once(arms[arm]))
+                    print(condition, arm, runs[arm][-1], flush=True)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        lines += ["", f"## {'A quiet machine' if busy is None else 'A busy machine: one CPU-bound process beside'}",
+                  "", "| | now | before | now / before |", "|---|---|---|---|"]
+        rows = (("template and ranks, CPU-s (the script's children)", lambda r: [r["cpu_s"]]),
+                ("first `launch()` (starts the template), s", lambda r: [r["first_s"]]),
+                ("a rank's full collection, ms", lambda r: r["collect_ms"]),
+                ("a rank's PSS after it, MiB", lambda r: r["pss_mib"]))
+        for label, read in rows:
+            now = [v for r in runs["now"] for v in read(r)]
+            before = [v for r in runs["before"] for v in read(r)]
+            lines.append(f"| {label} | {_median(now)} | {_median(before)} | "
+                         f"{statistics.median(now) / statistics.median(before):.2g}× |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(HERE, args.out), "w") as handle:
         handle.write(text)

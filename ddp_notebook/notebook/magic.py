@@ -561,12 +561,13 @@ class CellStopped(Stopped):
 def _interrupted_before_start(warm, as_found: tuple | None) -> KeyboardInterrupt:
     """The KeyboardInterrupt of a cell stopped before its ranks had its task: no rank ran any of it.  ``as_found``:
     the warm pool's (group, restarts) when the cell began, to tell whether its ranks are still those."""
-    kept = ""
-    if warm is not None and warm.group is None:
+    if warm is None:
+        kept = ""
+    elif warm.group is None:
         kept = "; the warm pool was stopped as it restarted (%ddp_start starts another)"
-    elif warm is not None and (warm.group, warm.restarts) != as_found:
+    elif (warm.group, warm.restarts) != as_found:
         kept = "; the warm pool's ranks were started anew meanwhile and hold nothing of earlier cells"
-    elif warm is not None:
+    else:
         dead = sorted(set(range(warm.spec.world_size)) - set(warm.group.alive))
         kept = (f"; rank(s) {', '.join(map(str, dead))} of the warm pool had died: the next cell restarts it" if dead
                 else "; the warm pool's ranks keep their state (they never received the cell)")

@@ -168,10 +168,10 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         key, x, total = "epoch", _number("epoch", epoch), epochs
     else:
         key, x, total = "step", _implicit_step + 1, steps
+    if key == "step":
+        _implicit_step = x  # (the user's numbering)
     ctx = context.current()
     if ctx is None or ctx.sender is None:
-        if key == "step":
-            _implicit_step = x
         if ctx is None or ctx.rank == 0:  # under plain torchrun, one line per job is enough
             record = {key: x, **values}
             if total is not None:
@@ -182,7 +182,6 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         return
     went_back = None
     if key == "step":
-        _implicit_step = x  # (the user's numbering)
         x, total, went_back = _step_axis.place(x, total, epoch)
     body: dict[str, Any] = {"key": key, "x": x, "values": values}
     if total is not None:

@@ -53,6 +53,21 @@ def slurm():
     slurm_support.stop(started)
 
 
+def test_a_slurm_job_s_port_is_its_own_below_the_ephemeral_ports_unless_the_environment_names_one(monkeypatch):
+    """submitit's port (20000-60000) fell among the ports of this machine's own connections: rank 0's TCPStore
+    failed with EADDRINUSE in a CI run.  The job's id picks one below them, the same on every node."""
+    from ddp_notebook.rank.slurm import master_port
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        first_ephemeral = int(handle.read().split()[0])
+    ports = {job: master_port(job) for job in ("444", "445", "123_4", "9999999")}
+    assert all(20000 <= port < min(first_ephemeral, 32768) for port in ports.values()), ports
+    assert len(set(ports.values())) == 4 and ports == {job: master_port(job) for job in ports}
+    monkeypatch.setenv("MASTER_PORT", "12355")  # the seed recipe's, set in the notebook: as submitit, kept
+    assert master_port("444") == 12355
+
+
 def _setup(folder: str, host: str | None = None) -> str:
     """A test's first cell: the user's executor, and (for the file-only mode) an address no rank reaches.  The
     kernel may be the one an earlier test of the module used: what that one set in its environment is cleared."""

@@ -404,7 +404,7 @@ def test_stacks_name_each_rank_while_the_others_wait_in_an_fsdp_all_gather(no_le
         while time.monotonic() < deadline and str(stacks) != expected:
             time.sleep(0.5)  # until every rank has loaded the task and reached its wait
             stacks = job.stacks()
-        assert str(stacks) == expected, stacks
+        assert str(stacks) == expected, f"{stacks}\n(the job: {job.outcome})"  # ("no answer" twice in full runs)
         for rank in (0, 2):  # inside FSDP2's unshard of the forward
             assert {"foreach_all_gather", "unshard", "pre_forward"} <= {f.function for f in stacks.frames[rank]}
     finally:

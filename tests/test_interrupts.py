@@ -235,6 +235,30 @@ def test_an_interrupt_after_the_pool_restarted_for_the_cell_says_its_ranks_hold_
         assert gone(pids, 10)
 
 
+def test_an_interrupt_before_the_start_names_what_the_warm_pool_kept_in_every_case():
+    """The two cases the kernel tests above do not reach in time: the pool stopped while it restarted (its group
+    gone), and a rank found dead that the cell had not restarted yet."""
+    import types
+
+    from ddp_notebook.notebook.magic import _interrupted_before_start
+
+    def said(warm, as_found):
+        return str(_interrupted_before_start(warm, as_found))
+
+    group = types.SimpleNamespace(alive={0, 1})
+    warm = types.SimpleNamespace(group=group, restarts=0, spec=types.SimpleNamespace(world_size=2))
+    begin = "the %%ddp cell was interrupted before its ranks started it"
+    assert said(None, None) == begin
+    assert said(warm, (group, 0)) == f"{begin}; the warm pool's ranks keep their state (they never received the cell)"
+    group.alive = {0}
+    assert said(warm, (group, 0)) == f"{begin}; rank(s) 1 of the warm pool had died: the next cell restarts it"
+    warm.restarts = 1
+    assert said(warm, (group, 0)) == (f"{begin}; the warm pool's ranks were started anew meanwhile and hold nothing "
+                                      f"of earlier cells")
+    warm.group = None
+    assert said(warm, (group, 0)) == f"{begin}; the warm pool was stopped as it restarted (%ddp_start starts another)"
+
+
 LOADER_TRAIN_CELL = '''%%ddp --return model
 for epoch in range(1000):
     for x, y in loader:

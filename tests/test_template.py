@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,25 +95,58 @@ def test_forked_ranks_see_what_fresh_ranks_see(monkeypatch, no_leftovers):
     assert [" ".join(r["cmdline"]).split()[1:] for r in forked] == [r["cmdline"][1:] for r in fresh]
 
 
-def test_a_new_template_when_the_package_changes_on_disk_or_the_template_died(no_leftovers):
+def test_a_new_template_when_the_package_changes_on_disk_or_the_template_died(tmp_path, monkeypatch, no_leftovers):
+    # The package's files as the template reads them, copied with their times: touching the installed package's own
+    # file would make every other pytest worker's template look outdated too (and replaced, mid-test).
+    package = tmp_path / "ddp_notebook"
+    shutil.copytree(template.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(template, "PACKAGE_DIR", str(package))
     first = _fresh_template()
-    version_file = os.path.join(os.path.dirname(ddp_notebook.__file__), "version.py")
-    stat = os.stat(version_file)
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    assert template.current_pid() == first and {r["ppid"] for r in seen} == {first}  # nothing changed: kept
+    version_file = package / "version.py"
+    stat = version_file.stat()
     os.utime(version_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    try:
-        seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
-    finally:
-        os.utime(version_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
     second = template.current_pid()
     assert second not in (None, first) and not psutil.pid_exists(first)
     assert {r["ppid"] for r in seen} == {second}
 
     os.kill(second, signal.SIGKILL)
+    _until_dead(second)
     seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
     third = template.current_pid()
     assert third not in (None, second) and {r["ppid"] for r in seen} == {third}
     zombies = [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
     assert zombies == []
+
+
+def _until_dead(pid: int) -> None:
+    """Until the child ``pid`` has died (a zombie: not reaped, as its Popen would reap it)."""
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"pid {pid} still alive"
+        time.sleep(0.01)
+
+
+def test_a_template_that_dies_as_a_job_comes_leaves_the_job_fresh_ranks_and_the_next_a_new_template(
+        monkeypatch, no_leftovers):
+    first = _fresh_template()
+    fork = template.Template.fork
+
+    def dies_first(self, *args):  # alive when the job chose it; dead by the time it is asked to fork
+        if self.proc.returncode is None:  # (rank 1: the template is dead and reaped already)
+            os.kill(self.proc.pid, signal.SIGKILL)
+            _until_dead(self.proc.pid)
+        return fork(self, *args)
+
+    monkeypatch.setattr(template.Template, "fork", dies_first)
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)  # (it raised "could not fork a rank" before)
+    assert [r["rank"] for r in seen] == ["0", "1"] and {r["ppid"] for r in seen} == {os.getpid()}  # started fresh
+    monkeypatch.setattr(template.Template, "fork", fork)
+    seen = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
+    second = template.current_pid()
+    assert second not in (None, first) and {r["ppid"] for r in seen} == {second}
 
 
 def test_stop_ends_the_template_and_the_next_job_starts_another(no_leftovers):

@@ -526,8 +526,9 @@ class Template:
             f"{name} ({len(modules)} modules)" if modules else name for name, modules, _ in steps))
 
     def fork(self, boot: dict, env: dict[str, str], cwd: str, store_fd: int | None) -> ForkedProcess | None:
-        """Fork one rank; None when its environment differs from the template's in a variable the template read as
-        it imported (:meth:`stale_for`: a job's own ``env`` of the spec, or a change made as the job started)."""
+        """Fork one rank; None (the rank starts fresh) when its environment differs from the template's in a
+        variable the template read as it imported (:meth:`stale_for`: a job's own ``env`` of the spec, or a change
+        made as the job started), or when the template ended or was tainted as the job came."""
         stale = self.stale_for(env)
         if stale:
             log.debug("rank started fresh: its environment differs from the template's in %s", ", ".join(stale))
@@ -543,6 +544,8 @@ class Template:
             with self.forking:
                 forking.send(self.sock, {"kind": forking.FORK, "boot": boot, "env": env, "cwd": cwd}, fds)
                 received = self._receive(forking.FORKED)
+        except OSError:  # its end of the socket is closed: it died as the job came
+            received = None
         except BaseException:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
@@ -553,10 +556,14 @@ class Template:
         if received is None or "pid" not in received:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
-            if received is not None and self.tainted is not None:  # by a preload that ended as the job came
+            if received is None:  # (the next job's template is a new one: this one is no longer usable)
+                log.debug("rank started fresh: the template (pid %s) ended as the job came (exit code %s)",
+                          self.proc.pid, self.proc.poll())  # (poll: reaped now, not left a zombie)
+                return None
+            if self.tainted is not None:  # by a preload that ended as the job came
                 log.debug("rank started fresh: the template is tainted by %s", self.tainted)
                 return None
-            raise OSError(f"the rank template could not fork a rank: {received and received.get('error')}")
+            raise OSError(f"the rank template could not fork a rank: {received.get('error')}")
         return ForkedProcess(received["pid"], status_r, lifeline_w, open(out_r, "rb", buffering=0),
                              open(err_r, "rb", buffering=0))
 

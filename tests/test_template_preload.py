@@ -293,3 +293,27 @@ def test_a_job_ends_while_the_template_is_still_importing_a_library(tmp_path, mo
     assert started.wait_preloaded() and "ddpnb_fake_held" in started.preloaded
     template.stop()
     sys.modules.pop("ddpnb_fake_held", None)
+
+
+def test_a_library_a_job_could_not_name_as_it_started_is_preloaded_at_the_cell_s_end(tmp_path, monkeypatch,
+                                                                                     no_leftovers):
+    """A job's forks ask the template for what the notebook imported without reading what is installed (0.2 s); when
+    that was not read yet (the extension's thread reads it, late on a busy machine), the cell's end must still ask.
+    It did not: the forks had noted that nothing was imported since, and the library was never preloaded."""
+    _install(tmp_path, "ddpnb_fake_late", "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ddp_notebook
+
+    template.stop()
+    started = template.ready_template()
+    assert started.wait_preloaded()  # torch._dynamo: done
+    import ddpnb_fake_late  # noqa: F401  a cell imports it, and runs a job
+    template._distributions.cache_clear()  # what is installed, not read yet
+    try:
+        assert ddp_notebook.launch(_exits_and_pid, cpus=2) == [started.proc.pid] * 2
+        assert "ddpnb_fake_late" not in started.asked  # (the forks could not name it)
+        template.preload_notebook_libraries()  # the cell ends (IPython's post_run_cell)
+        assert "ddpnb_fake_late" in started.asked
+    finally:
+        template.stop()
+        sys.modules.pop("ddpnb_fake_late", None)

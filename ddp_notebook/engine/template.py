@@ -497,7 +497,8 @@ class Template:
         ``read_again``: see :func:`notebook_libraries`."""
         if self.asked and len(sys.modules) == self.modules_when_asked:
             return  # nothing imported since it last asked (most jobs and cells)
-        self.modules_when_asked = len(sys.modules)
+        if read_again:  # (without, a library of a distribution not read yet is left out: the cell's end asks again)
+            self.modules_when_asked = len(sys.modules)
         steps = []
         modules = _imported_modules()
         for name in (*FIRST_PRELOADS, *notebook_libraries(read_again)):

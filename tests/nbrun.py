@@ -6,13 +6,39 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
 import psutil
-from jupyter_client.manager import start_new_kernel
+from jupyter_client.manager import KernelManager
 
 # nbformat and nbclient are imported where they are used: ranks import a test module to run its functions, and with
 # it this one, where they would add seconds (jsonschema's checkers) to every rank's start.
+
+
+def kernel_manager() -> KernelManager:
+    """A manager of a python3 kernel on IPC sockets in this worker's temp folder.  Over TCP (jupyter_client's
+    default) the client picks free ports and the kernel binds them a second later: any process may take one meanwhile,
+    and the kernel dies before replying ("Address already in use"; seen in a full run of the suite)."""
+    folder = os.path.join(tempfile.gettempdir(), "kernel-sockets")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(folder, uuid.uuid4().hex[:12]))
+
+
+def start_kernel(env: dict | None = None, startup_timeout: float = 60):
+    """jupyter_client's ``start_new_kernel`` on IPC sockets (:func:`kernel_manager`): (manager, client)."""
+    km = kernel_manager()
+    km.start_kernel(**({"env": env} if env else {}))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=startup_timeout)
+    except RuntimeError:
+        kc.stop_channels()
+        km.shutdown_kernel()
+        raise
+    return km, kc
 
 
 def run_cells(cells: list[str], timeout: int = 120, cwd: str | None = None, allow_errors: bool = True):
@@ -21,8 +47,8 @@ def run_cells(cells: list[str], timeout: int = 120, cwd: str | None = None, allo
     from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
-                            resources={"metadata": {"path": cwd}} if cwd else {})
+    client = NotebookClient(nb, km=kernel_manager(), timeout=timeout, kernel_name="python3",
+                            allow_errors=allow_errors, resources={"metadata": {"path": cwd}} if cwd else {})
     client.execute()
     return nb, client
 
@@ -63,7 +89,7 @@ def kernel(setup: str = "%load_ext ddp_notebook", ipykernel: int = 7):
     if ipykernel == 6:
         path = [ipykernel6_path()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    km, kc = start_new_kernel(kernel_name="python3", **({"env": env} if env else {}))
+    km, kc = start_kernel(env)
     try:
         got = kc.execute_interactive("import ipykernel; assert ipykernel.version_info[0] == %d, ipykernel.__version__"
                                      % ipykernel, timeout=60, output_hook=lambda msg: None, store_history=False)

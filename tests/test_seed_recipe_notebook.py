@@ -7,7 +7,7 @@ import pytest
 from nbclient import NotebookClient
 
 from conftest import ROOT
-from nbrun import error, text
+from nbrun import error, kernel_manager, text
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
@@ -17,7 +17,7 @@ NOTEBOOK = os.path.join(ROOT, "notebooks", "seed_recipe.ipynb")
 @pytest.mark.timeout(240)
 def test_the_seed_recipe_notebook_runs_end_to_end(no_leftovers, tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+    NotebookClient(nb, km=kernel_manager(), timeout=120, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     code_cells = [c for c in nb.cells if c.cell_type == "code"]
     for cell in code_cells:

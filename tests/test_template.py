@@ -19,8 +19,7 @@ import pytest
 
 import ddp_notebook
 from ddp_notebook.engine import template
-from jupyter_client.manager import start_new_kernel
-from nbrun import execute, gone, kernel
+from nbrun import execute, gone, kernel, start_kernel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -247,7 +246,7 @@ def test_the_template_goes_with_a_kernel_killed_while_it_imports(tmp_path, no_le
     importing = tmp_path / "importing"
     path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), DDP_NOTEBOOK_TEST_IMPORTING=str(importing))
-    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    km, kc = start_kernel(env)
     template_pid = None
     try:
         kc.execute_interactive("%load_ext ddp_notebook", timeout=60)

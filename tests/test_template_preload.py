@@ -17,8 +17,7 @@ import psutil
 import pytest
 
 from ddp_notebook.engine import template
-from jupyter_client.manager import start_new_kernel
-from nbrun import KEEP_DEBUG_LOG, execute, gone, kernel, run_cell
+from nbrun import KEEP_DEBUG_LOG, execute, gone, kernel, run_cell, start_kernel
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.kernel]
 
@@ -200,7 +199,7 @@ def test_a_background_cell_returns_before_the_template_is_ready_and_its_ranks_st
     folder.mkdir()
     path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), DDP_NOTEBOOK_TEST_GO=str(go))
-    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    km, kc = start_kernel(env)
     template_pid = None
     try:
         execute(kc, ["%load_ext ddp_notebook", f"import ddp_notebook, os\nFOLDER = {str(folder)!r}\n"

@@ -21,7 +21,7 @@ from ddp_notebook import RankError
 from ddp_notebook.wire import channel
 from ddp_notebook.notebook import following
 from ddp_notebook.wire import protocol
-from nbrun import error, run_cells, text
+from nbrun import error, kernel_manager, run_cells, text
 from torchrun_tasks import (fails_on_node_1, nothing, one_asleep_before_all_reduce, reports_then_rank_1_fails,
                             sleeps, with_arrays)
 
@@ -161,7 +161,7 @@ def test_two_torchrun_nodes_run_an_exported_cell_and_follow_shows_them(tmp_path,
         f"'nnodes': run.spec.nnodes, 'history': run.history, 'spread': max(arrivals) - min(arrivals)}}))",
         f"print('AGAIN', json.dumps(ddp_notebook.follow({str(run_dir)!r}, wait=False).history))",
     ]])
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+    client = NotebookClient(nb, km=kernel_manager(), timeout=120, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(tmp_path)}})
     agents = []
     logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(2)]

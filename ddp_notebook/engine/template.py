@@ -545,8 +545,10 @@ class Template:
             with self.forking:
                 forking.send(self.sock, {"kind": forking.FORK, "boot": boot, "env": env, "cwd": cwd}, fds)
                 received = self._receive(forking.FORKED)
-        except OSError:  # its end of the socket is closed: it died as the job came
+        except OSError as exc:  # its end of the socket is closed if it died as the job came
             received = None
+            if not self._ended_within(1.0):
+                raise exc from None
         except BaseException:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
@@ -557,9 +559,9 @@ class Template:
         if received is None or "pid" not in received:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
-            if received is None:  # (the next job's template is a new one: this one is no longer usable)
+            if received is None:  # it ended (the next job's template is a new one: this one is no longer usable)
                 log.debug("rank started fresh: the template (pid %s) ended as the job came (exit code %s)",
-                          self.proc.pid, self.proc.poll())  # (poll: reaped now, not left a zombie)
+                          self.proc.pid, self.proc.returncode if self._ended_within(1.0) else None)
                 return None
             if self.tainted is not None:  # by a preload that ended as the job came
                 log.debug("rank started fresh: the template is tainted by %s", self.tainted)
@@ -567,6 +569,14 @@ class Template:
             raise OSError(f"the rank template could not fork a rank: {received.get('error')}")
         return ForkedProcess(received["pid"], status_r, lifeline_w, open(out_r, "rb", buffering=0),
                              open(err_r, "rb", buffering=0))
+
+    def _ended_within(self, seconds: float) -> bool:
+        """Whether the template has ended (reaped now), waiting at most ``seconds`` for one that is ending."""
+        try:
+            self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def stop(self, wait: float = 5.0) -> None:
         try:

@@ -560,8 +560,9 @@ class Template:
             for fd in (out_r, err_r, status_r, lifeline_w):
                 os.close(fd)
             if received is None:  # it ended (the next job's template is a new one: this one is no longer usable)
+                reaped = self._ended_within(1.0)  # (not left a zombie)
                 log.debug("rank started fresh: the template (pid %s) ended as the job came (exit code %s)",
-                          self.proc.pid, self.proc.returncode if self._ended_within(1.0) else None)
+                          self.proc.pid, self.proc.returncode if reaped else None)
                 return None
             if self.tainted is not None:  # by a preload that ended as the job came
                 log.debug("rank started fresh: the template is tainted by %s", self.tainted)

@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 import ddp_notebook
+import fake_libraries
 from ddp_notebook.engine import template
 from nbrun import KEEP_DEBUG_LOG, execute, kernel
 
@@ -83,6 +84,74 @@ def test_a_variable_the_template_read_at_import_makes_a_new_template_the_ranks_s
         assert [r["mkl"] for r in seen] == ["1", "1"]
 
 
+_OPENMP_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import ddp_notebook
+    from ddp_notebook.engine import template
+
+    def seen():
+        import os
+        return [os.getppid(), os.environ.get("KMP_DUPLICATE_LIB_OK"), os.environ.get("KMP_INIT_AT_FORK"),
+                os.environ.get("KMP_AFFINITY")]
+
+    def step(name):
+        ranks = ddp_notebook.launch(seen, cpus=2)
+        current = template.current()
+        print(json.dumps({"step": name, "template": current.proc.pid, "ranks": ranks,
+                          "set_by_default": current.set_by_default, "affinity_read_by":
+                          current.read_at_import("KMP_AFFINITY", "disabled"),
+                          "stale": current.stale_for(dict(os.environ, KMP_INIT_AT_FORK="TRUE"))}), flush=True)
+
+    first = template.ready_template()  # started before the script imports scikit-learn
+    import sklearn  # sets KMP_DUPLICATE_LIB_OK=True and KMP_INIT_AT_FORK=FALSE where unset, as joblib does
+    first.preload()
+    assert first.wait_preloaded() and "sklearn" in first.preloaded, first.preloaded
+    step("scikit-learn imported")
+    os.environ["KMP_INIT_AT_FORK"] = "TRUE"  # another value than the library's: a fresh import keeps it
+    step("another value")
+    sys.path.insert(0, sys.argv[1])
+    import ddpnb_fake_llvm_openmp  # loads LLVM's OpenMP, which reads KMP_* as it loads
+    loading = template.current()
+    loading.preload()
+    assert loading.wait_preloaded() and "ddpnb_fake_llvm_openmp" in loading.preloaded
+    print(json.dumps({"affinity_read_by": loading.read_at_import("KMP_AFFINITY", "disabled")}), flush=True)
+    os.environ["KMP_AFFINITY"] = "disabled"
+    step("LLVM's OpenMP loaded")
+""")
+
+
+def test_what_scikit_learn_sets_as_it_imports_keeps_the_template_unless_an_openmp_that_reads_it_is_loaded(
+        tmp_path):
+    """scikit-learn (the quickstart's second cell) and joblib set ``KMP_DUPLICATE_LIB_OK`` and ``KMP_INIT_AT_FORK``
+    where unset as they import: the template that preloads them sets the same values, and only Intel's and LLVM's
+    OpenMP read ``KMP_*`` (torch's wheels load GNU's), so the template serves the next jobs and their ranks see the
+    values.  A value other than the library's, or a template that has loaded LLVM's OpenMP (a library the script
+    imported, preloaded), makes the next job's ranks come from a new template."""
+    if not os.path.exists("/usr/lib/x86_64-linux-gnu/libomp.so.5"):
+        why = "LLVM's OpenMP runtime (apt's libomp5, which .ci/run installs)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    fake_libraries.install(tmp_path, "ddpnb_fake_llvm_openmp", 'import ctypes\nctypes.CDLL("libomp.so.5")\n')
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KMP_")}
+    done = subprocess.run([sys.executable, "-c", _OPENMP_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    steps = [json.loads(line) for line in done.stdout.splitlines()]
+    imported, other_value, read_by, loaded = steps
+    first = imported["template"]
+    assert imported["ranks"] == [[first, "True", "FALSE", None]] * 2  # forked from the same template, values of now
+    assert imported["affinity_read_by"] is None  # nothing loaded reads KMP_AFFINITY
+    assert {name: value for name, (value, _) in imported["set_by_default"].items() if name.startswith("KMP_")} == {
+        "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
+    assert re.fullmatch(r"KMP_INIT_AT_FORK \(read by (joblib|sklearn|threadpoolctl)\)", " ".join(imported["stale"]))
+    second = other_value["template"]
+    assert second != first and other_value["ranks"] == [[second, "True", "TRUE", None]] * 2
+    assert read_by == {"affinity_read_by": "libomp.so.5"}
+    third = loaded["template"]
+    assert third not in (first, second) and loaded["ranks"] == [[third, "True", "TRUE", "disabled"]] * 2
+
+
 def test_a_job_whose_own_variables_the_template_read_starts_fresh_ranks():
     current = template.ready_template()
     assert current.stale_for(dict(current.env, MKL_DDPNB_TEST="1")) == ["MKL_DDPNB_TEST (read by native code)"]
@@ -106,8 +175,23 @@ def test_the_template_counts_look_ups_by_name_not_reads_of_the_whole_environment
         "DDPNB_TEST_IN" in os.environ
         os.environ.copy()
         os.environ["DDPNB_TEST_COPIED"]  # by name, after a copy
-    assert read == {"DDPNB_TEST_GETENV", "DDPNB_TEST_GET", "DDPNB_TEST_IN", "DDPNB_TEST_COPIED"}
+    assert read.looked_up == {"DDPNB_TEST_GETENV", "DDPNB_TEST_GET", "DDPNB_TEST_IN", "DDPNB_TEST_COPIED"}
     assert type(os.environ) is os._Environ  # a rank forked later has the plain mapping
+
+
+def test_a_variable_a_library_sets_where_unset_is_noted_with_its_value_and_not_as_read(monkeypatch):
+    """``os.environ.setdefault`` of a variable that is unset sets it (joblib's ``KMP_INIT_AT_FORK``): noted with the
+    value, and a later look-up reads that value, which a fresh import would set too; of one that is set, a look-up."""
+    from ddp_notebook.rank.template import environment_reads
+
+    monkeypatch.delenv("DDPNB_TEST_DEFAULTED", raising=False)
+    monkeypatch.setenv("DDPNB_TEST_PRESENT", "mine")
+    with environment_reads() as read:
+        assert os.environ.setdefault("DDPNB_TEST_DEFAULTED", "FALSE") == "FALSE"
+        assert os.environ.get("DDPNB_TEST_DEFAULTED") == "FALSE"
+        assert os.environ.setdefault("DDPNB_TEST_PRESENT", "other") == "mine"
+    assert read.looked_up == {"DDPNB_TEST_PRESENT"}
+    assert read.set_by_default == {"DDPNB_TEST_DEFAULTED": "FALSE"}
 
 
 _GETENV_LOGGER = r"""
@@ -184,11 +268,7 @@ _KERNEL_SETUP = KEEP_DEBUG_LOG + textwrap.dedent("""
 
 def test_in_a_kernel_a_change_in_the_cell_of_the_jobs_keeps_them_forked_and_a_library_read_makes_a_new_template(
         tmp_path, no_leftovers):
-    (tmp_path / "ddpnb_fake_envlib.py").write_text(_FAKE_LIBRARY)
-    info = tmp_path / "ddpnb_fake_envlib-1.0.dist-info"  # an installed library: the template preloads it
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ddpnb_fake_envlib\nVersion: 1.0\n")
-    (info / "top_level.txt").write_text("ddpnb_fake_envlib\n")
+    fake_libraries.install(tmp_path, "ddpnb_fake_envlib", _FAKE_LIBRARY)  # installed: the template preloads it
     with kernel() as (km, kc):
         said = execute(kc, [
             _KERNEL_SETUP,

@@ -16,6 +16,7 @@ import textwrap
 import psutil
 import pytest
 
+import fake_libraries
 from ddp_notebook.engine import template
 from nbrun import KEEP_DEBUG_LOG, execute, gone, kernel, run_cell, start_kernel
 
@@ -56,11 +57,7 @@ _MARK = textwrap.dedent("""
 def _install(folder, name: str, code: str, version: str = "1.0") -> None:
     """A module and the dist-info that makes it an installed library, as pip leaves them; every process that
     imports it adds its pid to ``marks/NAME`` beside it."""
-    (folder / f"{name}.py").write_text(_MARK + code)
-    info = folder / f"{name}-{version}.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text(name + "\n")
+    fake_libraries.install(folder, name, _MARK + code, version)
 
 
 # In the kernel: every debug message of ddp_notebook kept in DEBUG_LOG, and settle(), which waits until the template

@@ -50,10 +50,13 @@ READY_TIMEOUT_S = 60.0
 # Python code): the interpreter's, the C library's, and those of the libraries torch loads (OpenMP, MKL, oneDNN,
 # OpenBLAS, gfortran, numpy, Kineto, MPI, libtorch).  Read off torch 2.13's import with a getenv interposer;
 # tests/test_template_environment.py reads the torch installed the same way and checks it reads nothing else.
-NATIVE_READ_AT_LOAD = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "OMP_", "GOMP_", "KMP_", "MKL", "DNNL_",
+NATIVE_READ_AT_LOAD = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "OMP_", "GOMP_", "MKL", "DNNL_",
                        "ONEDNN_", "OPENBLAS_", "GOTO_", "GFORTRAN_", "NPY_", "NUMPY_", "KINETO_", "PYTORCH_",
-                       "OPENSSL_", "I_MPI_", "OMPI_", "MPI_", "ACC_DEVICE_", "INTEL_",
-                       "JE_")  # (the last: the jemalloc of pyarrow, preloaded for datasets and pandas)
+                       "OPENSSL_", "I_MPI_", "OMPI_", "MPI_", "ACC_DEVICE_", "INTEL_")
+# Families read by a native library torch itself does not load, counted only while the template has one mapped:
+# Intel's and LLVM's OpenMP read KMP_* (torch's wheels load GNU's libgomp, which does not; scikit-learn sets
+# KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK as it imports), pyarrow's jemalloc (in libarrow) reads JE_*.
+NATIVE_READ_BY_LIBRARY = {"KMP_": ("libiomp", "libomp"), "JE_": ("libarrow",)}
 # libtorch's own, by name: most TORCH_ variables (TORCH_NCCL_*, TORCH_HOME, ...) are read when used.
 TORCH_NATIVE_READ_AT_LOAD = frozenset({
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT",
@@ -271,6 +274,26 @@ def read_by_native_code(name: str) -> bool:
     return name.startswith(NATIVE_READ_AT_LOAD) or name in TORCH_NATIVE_READ_AT_LOAD
 
 
+def libraries_reading(name: str) -> tuple[str, ...]:
+    """The native libraries (file name beginnings) that read variable ``name`` as they load, where torch itself
+    loads none of them (``NATIVE_READ_BY_LIBRARY``); empty for any other variable."""
+    return next((libraries for family, libraries in NATIVE_READ_BY_LIBRARY.items() if name.startswith(family)), ())
+
+
+def mapped_library(pid: int, beginnings: tuple[str, ...]) -> str | None:
+    """The file name of a shared library process ``pid`` has mapped that begins with one of ``beginnings``; None if
+    it has none.  A process whose maps cannot be read counts as having the first (what it read is not known)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                name = os.path.basename(line.rstrip("\n").rpartition(" ")[2])
+                if name.startswith(beginnings) and ".so" in name:
+                    return name
+    except OSError:
+        return beginnings[0]
+    return None
+
+
 def changed_variables(env: dict[str, str], since: dict[str, str]) -> list[str]:
     """The variables whose value in ``env`` differs from ``since`` (set, changed or removed), but for those every
     rank or job sets itself."""
@@ -357,6 +380,9 @@ class Template:
         # variable -> what looked it up as the template imported it ("torch", a preloaded library): a fork would
         # not see a later change of it
         self.looked_up: dict[str, str] = {}
+        # variable -> (the value, the library) that set it where it was unset as the template imported it: a fork
+        # with it unset or set so sees what a fresh rank's imports would leave
+        self.set_by_default: dict[str, tuple[str, str]] = {}
         self.asked: dict[str, tuple] = {}  # library sent to preload -> the stamp of the notebook's file then
         self.asked_modules: set[str] = set()  # the libraries and their modules sent
         self.unanswered = 0
@@ -373,6 +399,8 @@ class Template:
         kind = message.get("kind")
         for name in message.get("environment_read", ()):
             self.looked_up.setdefault(name, message.get("module", "torch"))
+        for name, value in message.get("environment_set_by_default", {}).items():
+            self.set_by_default.setdefault(name, (value, message.get("module", "torch")))
         if kind == forking.READY:
             self.ready = True
             log.debug("rank template ready: pid %s", self.proc.pid)
@@ -440,23 +468,32 @@ class Template:
                 self._take(message)
         return True
 
-    def read_at_import(self, name: str) -> str | None:
-        """What read variable ``name`` when the template imported it (so that a rank forked from it would not see
-        a change): Python code that looked it up (``"torch"``, a preloaded library), or ``"native code"`` (see
-        ``NATIVE_READ_AT_LOAD``); None when nothing did, or every rank sets it itself."""
+    def read_at_import(self, name: str, value: str | None = None) -> str | None:
+        """What read variable ``name`` when the template imported it, so that a rank forked from it with ``name``
+        set to ``value`` (None: unset) would not see it as a fresh rank's imports would: Python code that looked it
+        up (``"torch"``, a preloaded library), ``"native code"`` (see ``NATIVE_READ_AT_LOAD``), the file name of a
+        native library it has loaded that reads it (see ``NATIVE_READ_BY_LIBRARY``), or a library that set it where
+        unset, to another value than ``value``; None when nothing did, or every rank sets it itself."""
         if name in PER_RANK_VARIABLES:
             return None
         if name in self.looked_up:
             return self.looked_up[name]
-        return "native code" if read_by_native_code(name) else None
+        if read_by_native_code(name):
+            return "native code"
+        libraries = libraries_reading(name)
+        loaded = mapped_library(self.proc.pid, libraries) if libraries else None
+        if loaded is not None:
+            return loaded
+        default, library = self.set_by_default.get(name, (None, None))
+        return library if value not in (None, default) else None
 
     def stale_for(self, env: dict[str, str]) -> list[str]:
         """The variables whose value in ``env`` differs from the template's and that it read as it imported, each
         as ``NAME (read by WHAT)``: a rank forked with ``env`` would start from imports that saw other values."""
         with self.forking:
             self._receive()  # what it has said it read since
-        return [f"{name} (read by {self.read_at_import(name)})" for name in changed_variables(env, self.env)
-                if self.read_at_import(name)]
+        readers = {name: self.read_at_import(name, env.get(name)) for name in changed_variables(env, self.env)}
+        return [f"{name} (read by {reader})" for name, reader in readers.items() if reader]
 
     def usable(self) -> bool:
         """Alive, not tainted, and started from the torch, ddp_notebook and preloaded libraries on disk now, and

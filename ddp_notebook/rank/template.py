@@ -186,13 +186,28 @@ def taint(threads_before: int) -> str | None:
     return None
 
 
+class EnvironmentReads:
+    """What Python code did with ``os.environ`` within :func:`environment_reads`: the variables it looked up by name
+    (found or not), and those it set where they were unset (``os.environ.setdefault``: scikit-learn, joblib and
+    threadpoolctl set ``KMP_*`` so as they import) with the value set."""
+
+    def __init__(self):
+        self.looked_up: set[str] = set()
+        self.set_by_default: dict[str, str] = {}
+
+
+# The variables this process's libraries set where unset: a later look-up reads the value a library set, which a
+# fresh process importing them would set too (where the notebook holds another value, the notebook tells it stale).
+_DEFAULTED: set[str] = set()
+
+
 class _RecordingEnviron(os._Environ):
     """``os.environ`` while the template imports: notes every variable Python code looks up by name (found or not),
     so that the notebook knows which of its later changes a forked rank would not see.  Looking through the whole
     environment is not a look-up of a name: iterating it (tqdm collects its ``TQDM_`` defaults so), and the reads of
     each variable in turn that follow (``os.environ.copy()``, ``dict(os.environ)``, ``.items()``)."""
 
-    looked_up: set[str] = set()
+    reads = EnvironmentReads()
     listed: collections.deque = collections.deque()  # the names just iterated, which reads in that order follow
 
     def __iter__(self):
@@ -206,24 +221,45 @@ class _RecordingEnviron(os._Environ):
             listed.popleft()
         else:
             listed.clear()
-            _RecordingEnviron.looked_up.add(key)
+            self._looked_up(key)
         return super().__getitem__(key)
 
     def __contains__(self, key):
         _RecordingEnviron.listed.clear()
-        _RecordingEnviron.looked_up.add(key)
+        self._looked_up(key)
         return super().__contains__(key)
+
+    def setdefault(self, key, value=None):
+        _RecordingEnviron.listed.clear()
+        try:
+            found = os._Environ.__getitem__(self, key)
+        except KeyError:
+            pass
+        else:
+            self._looked_up(key)  # the library goes on with the value found
+            return found
+        self[key] = value
+        if key not in _RecordingEnviron.reads.looked_up:
+            _RecordingEnviron.reads.set_by_default[key] = value
+            _DEFAULTED.add(key)
+        return value
+
+    @staticmethod
+    def _looked_up(key) -> None:
+        if key not in _DEFAULTED:
+            _RecordingEnviron.reads.looked_up.add(key)
 
 
 @contextlib.contextmanager
 def environment_reads():
-    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too) is added to the yielded set."""
-    names: set[str] = set()
-    _RecordingEnviron.looked_up = names
+    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too), or sets where unset, is noted in the
+    yielded :class:`EnvironmentReads`."""
+    reads = EnvironmentReads()
+    _RecordingEnviron.reads = reads
     _RecordingEnviron.listed = collections.deque()
     os.environ.__class__ = _RecordingEnviron
     try:
-        yield names
+        yield reads
     finally:
         os.environ.__class__ = os._Environ  # a rank forked later has the plain mapping
 
@@ -263,7 +299,8 @@ def _preload(name: str, modules: list[str], file: str | None, sys_path: list[str
                     importlib.import_module(module)
                 except BaseException:  # noqa: BLE001 - one the notebook made by other means, or that needs it
                     result.setdefault("skipped", []).append(module)
-    result["environment_read"] = sorted(read)
+    result["environment_read"] = sorted(read.looked_up)
+    result["environment_set_by_default"] = read.set_by_default
     tainted = taint(threads_before)
     if tainted:
         result.update(error=tainted, tainted=True)
@@ -301,7 +338,8 @@ def main() -> None:
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(statuses))  # (also wakes the loop, through the pipe)
     threads_before = threads_at_a_fork()
-    forking.send(sock, {"kind": forking.READY, "pid": os.getpid(), "environment_read": sorted(read)})
+    forking.send(sock, {"kind": forking.READY, "pid": os.getpid(), "environment_read": sorted(read.looked_up),
+                        "environment_set_by_default": read.set_by_default})
     # (library, its modules, the file the notebook imported it from)
     to_preload: collections.deque[tuple[str, list[str], str | None]] = collections.deque()
     preload_path = list(sys.path)

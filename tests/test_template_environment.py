@@ -98,11 +98,14 @@ _OPENMP_SCRIPT = textwrap.dedent("""
         ranks = ddp_notebook.launch(seen, cpus=2)
         current = template.current()
         print(json.dumps({"step": name, "template": current.proc.pid, "ranks": ranks,
-                          "set_by_default": current.set_by_default, "affinity_read_by":
+                          "set_where_unset": current.set_where_unset, "affinity_read_by":
                           current.read_at_import("KMP_AFFINITY", "disabled"),
                           "stale": current.stale_for(dict(os.environ, KMP_INIT_AT_FORK="TRUE"))}), flush=True)
 
-    first = template.ready_template()  # started before the script imports scikit-learn
+    first = template.ready_template()  # started before the script imports torch._dynamo and scikit-learn
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    import torch._dynamo  # works out TORCHINDUCTOR_CACHE_DIR and sets it, as the template's import did
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
     import sklearn  # sets KMP_DUPLICATE_LIB_OK=True and KMP_INIT_AT_FORK=FALSE where unset, as joblib does
     first.preload()
     assert first.wait_preloaded() and "sklearn" in first.preloaded, first.preloaded
@@ -123,9 +126,9 @@ _OPENMP_SCRIPT = textwrap.dedent("""
 def test_what_scikit_learn_sets_as_it_imports_keeps_the_template_unless_an_openmp_that_reads_it_is_loaded(
         tmp_path):
     """scikit-learn (the quickstart's second cell) and joblib set ``KMP_DUPLICATE_LIB_OK`` and ``KMP_INIT_AT_FORK``
-    where unset as they import: the template that preloads them sets the same values, and only Intel's and LLVM's
-    OpenMP read ``KMP_*`` (torch's wheels load GNU's), so the template serves the next jobs and their ranks see the
-    values.  A value other than the library's, or a template that has loaded LLVM's OpenMP (a library the script
+    where unset as they import, and torch._dynamo sets ``TORCHINDUCTOR_CACHE_DIR`` (the seed recipe's kernel imports
+    it): the template that imports them sets the same values, and only Intel's and LLVM's OpenMP read ``KMP_*``
+    (torch's wheels load GNU's), so the template serves the next jobs and their ranks see the values.  A value other than the library's, or a template that has loaded LLVM's OpenMP (a library the script
     imported, preloaded), makes the next job's ranks come from a new template."""
     if not os.path.exists("/usr/lib/x86_64-linux-gnu/libomp.so.5"):
         why = "LLVM's OpenMP runtime (apt's libomp5, which .ci/run installs)"
@@ -133,7 +136,8 @@ def test_what_scikit_learn_sets_as_it_imports_keeps_the_template_unless_an_openm
             pytest.fail(why)
         pytest.skip(why)
     fake_libraries.install(tmp_path, "ddpnb_fake_llvm_openmp", 'import ctypes\nctypes.CDLL("libomp.so.5")\n')
-    env = {name: value for name, value in os.environ.items() if not name.startswith("KMP_")}
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("KMP_") and name != "TORCHINDUCTOR_CACHE_DIR"}
     done = subprocess.run([sys.executable, "-c", _OPENMP_SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           env=env, timeout=240)
     assert done.returncode == 0, done.stderr
@@ -142,7 +146,7 @@ def test_what_scikit_learn_sets_as_it_imports_keeps_the_template_unless_an_openm
     first = imported["template"]
     assert imported["ranks"] == [[first, "True", "FALSE", None]] * 2  # forked from the same template, values of now
     assert imported["affinity_read_by"] is None  # nothing loaded reads KMP_AFFINITY
-    assert {name: value for name, (value, _) in imported["set_by_default"].items() if name.startswith("KMP_")} == {
+    assert {name: value for name, (value, _) in imported["set_where_unset"].items() if name.startswith("KMP_")} == {
         "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
     assert re.fullmatch(r"KMP_INIT_AT_FORK \(read by (joblib|sklearn|threadpoolctl)\)", " ".join(imported["stale"]))
     second = other_value["template"]
@@ -179,19 +183,26 @@ def test_the_template_counts_look_ups_by_name_not_reads_of_the_whole_environment
     assert type(os.environ) is os._Environ  # a rank forked later has the plain mapping
 
 
-def test_a_variable_a_library_sets_where_unset_is_noted_with_its_value_and_not_as_read(monkeypatch):
-    """``os.environ.setdefault`` of a variable that is unset sets it (joblib's ``KMP_INIT_AT_FORK``): noted with the
-    value, and a later look-up reads that value, which a fresh import would set too; of one that is set, a look-up."""
+def test_a_variable_a_library_finds_unset_and_sets_is_noted_with_its_value_and_not_as_read(monkeypatch):
+    """A variable found unset and left set (joblib's ``os.environ.setdefault("KMP_INIT_AT_FORK", ...)``, or a
+    default worked out and stored, as torch._dynamo's ``TORCHINDUCTOR_CACHE_DIR``) is noted with the value left, and
+    a later look-up reads that value, which a fresh import would leave too; one found set was read."""
     from ddp_notebook.rank.template import environment_reads
 
-    monkeypatch.delenv("DDPNB_TEST_DEFAULTED", raising=False)
+    for name in ("DDPNB_TEST_DEFAULTED", "DDPNB_TEST_WORKED_OUT", "DDPNB_TEST_UNSET"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DDPNB_TEST_PRESENT", "mine")
     with environment_reads() as read:
         assert os.environ.setdefault("DDPNB_TEST_DEFAULTED", "FALSE") == "FALSE"
         assert os.environ.get("DDPNB_TEST_DEFAULTED") == "FALSE"
         assert os.environ.setdefault("DDPNB_TEST_PRESENT", "other") == "mine"
-    assert read.looked_up == {"DDPNB_TEST_PRESENT"}
-    assert read.set_by_default == {"DDPNB_TEST_DEFAULTED": "FALSE"}
+        os.environ["DDPNB_TEST_WORKED_OUT"] = os.path.abspath(os.environ.get("DDPNB_TEST_WORKED_OUT", "cache"))
+        assert os.getenv("DDPNB_TEST_UNSET") is None  # (found unset, left unset: read)
+    assert read.looked_up == {"DDPNB_TEST_PRESENT", "DDPNB_TEST_UNSET"}
+    assert read.set_where_unset == {"DDPNB_TEST_DEFAULTED": "FALSE", "DDPNB_TEST_WORKED_OUT": os.path.abspath("cache")}
+    with environment_reads() as later:
+        os.environ.get("DDPNB_TEST_DEFAULTED")  # the value an import left: not read
+    assert later.looked_up == set() and later.set_where_unset == {}
 
 
 _GETENV_LOGGER = r"""

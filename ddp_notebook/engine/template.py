@@ -223,7 +223,11 @@ def notebook_libraries(read_again: bool = True) -> list[str]:
              and n not in forking.RANK_OWN_MODULES and n not in _left_to_ranks and n != "ddp_notebook"}
     if read_again and names - set(_distributions()) - _not_installed:
         _distributions.cache_clear()  # perhaps installed since (pip in the notebook), or a module of no distribution
-    return sorted(names.intersection(_distributions()) - _jupyter_modules())
+    installed = _distributions()
+    # The other modules of what ranks set up themselves (matplotlib's mpl_toolkits and pylab import matplotlib).
+    rank_own = {dist for name in forking.RANK_OWN_MODULES for dist in installed.get(name, ())}
+    return sorted(name for name in names.intersection(installed) - _jupyter_modules()
+                  if not rank_own.intersection(installed[name]))
 
 
 def _imported_modules() -> dict[str, list[str]]:
@@ -380,9 +384,9 @@ class Template:
         # variable -> what looked it up as the template imported it ("torch", a preloaded library): a fork would
         # not see a later change of it
         self.looked_up: dict[str, str] = {}
-        # variable -> (the value, the library) that set it where it was unset as the template imported it: a fork
-        # with it unset or set so sees what a fresh rank's imports would leave
-        self.set_by_default: dict[str, tuple[str, str]] = {}
+        # variable -> (the value, the library) that found it unset and left it so set as the template imported it: a
+        # fork with it set so sees what a fresh rank's imports would leave
+        self.set_where_unset: dict[str, tuple[str, str]] = {}
         self.asked: dict[str, tuple] = {}  # library sent to preload -> the stamp of the notebook's file then
         self.asked_modules: set[str] = set()  # the libraries and their modules sent
         self.unanswered = 0
@@ -399,8 +403,8 @@ class Template:
         kind = message.get("kind")
         for name in message.get("environment_read", ()):
             self.looked_up.setdefault(name, message.get("module", "torch"))
-        for name, value in message.get("environment_set_by_default", {}).items():
-            self.set_by_default.setdefault(name, (value, message.get("module", "torch")))
+        for name, value in message.get("environment_set_where_unset", {}).items():
+            self.set_where_unset.setdefault(name, (value, message.get("module", "torch")))
         if kind == forking.READY:
             self.ready = True
             log.debug("rank template ready: pid %s", self.proc.pid)
@@ -472,8 +476,8 @@ class Template:
         """What read variable ``name`` when the template imported it, so that a rank forked from it with ``name``
         set to ``value`` (None: unset) would not see it as a fresh rank's imports would: Python code that looked it
         up (``"torch"``, a preloaded library), ``"native code"`` (see ``NATIVE_READ_AT_LOAD``), the file name of a
-        native library it has loaded that reads it (see ``NATIVE_READ_BY_LIBRARY``), or a library that set it where
-        unset, to another value than ``value``; None when nothing did, or every rank sets it itself."""
+        native library it has loaded that reads it (see ``NATIVE_READ_BY_LIBRARY``), or a library that found it unset
+        and set it to another value than ``value``; None when nothing did, or every rank sets it itself."""
         if name in PER_RANK_VARIABLES:
             return None
         if name in self.looked_up:
@@ -484,7 +488,7 @@ class Template:
         loaded = mapped_library(self.proc.pid, libraries) if libraries else None
         if loaded is not None:
             return loaded
-        default, library = self.set_by_default.get(name, (None, None))
+        default, library = self.set_where_unset.get(name, (None, None))
         return library if value not in (None, default) else None
 
     def stale_for(self, env: dict[str, str]) -> list[str]:

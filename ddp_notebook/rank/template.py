@@ -188,17 +188,19 @@ def taint(threads_before: int) -> str | None:
 
 class EnvironmentReads:
     """What Python code did with ``os.environ`` within :func:`environment_reads`: the variables it looked up by name
-    (found or not), and those it set where they were unset (``os.environ.setdefault``: scikit-learn, joblib and
-    threadpoolctl set ``KMP_*`` so as they import) with the value set."""
+    (found or not), less those it found unset and left set, which are noted with the value left
+    (``set_where_unset``: ``os.environ.setdefault``, as scikit-learn, joblib and threadpoolctl set ``KMP_*``; or a
+    default worked out and stored, as torch._dynamo's ``TORCHINDUCTOR_CACHE_DIR``)."""
 
     def __init__(self):
         self.looked_up: set[str] = set()
-        self.set_by_default: dict[str, str] = {}
+        self.set_where_unset: dict[str, str] = {}
+        self.found_unset: set[str] = set()
 
 
-# The variables this process's libraries set where unset: a later look-up reads the value a library set, which a
-# fresh process importing them would set too (where the notebook holds another value, the notebook tells it stale).
-_DEFAULTED: set[str] = set()
+# The variables this process's imports found unset and left set: a later look-up reads the value they left, which a
+# fresh process's imports would leave too (where the notebook holds another value, the notebook tells it stale).
+_SET_WHERE_UNSET: set[str] = set()
 
 
 class _RecordingEnviron(os._Environ):
@@ -229,31 +231,21 @@ class _RecordingEnviron(os._Environ):
         self._looked_up(key)
         return super().__contains__(key)
 
-    def setdefault(self, key, value=None):
-        _RecordingEnviron.listed.clear()
+    def _looked_up(self, key) -> None:
+        if key in _SET_WHERE_UNSET:
+            return
+        reads = _RecordingEnviron.reads
+        reads.looked_up.add(key)
         try:
-            found = os._Environ.__getitem__(self, key)
+            os._Environ.__getitem__(self, key)
         except KeyError:
-            pass
-        else:
-            self._looked_up(key)  # the library goes on with the value found
-            return found
-        self[key] = value
-        if key not in _RecordingEnviron.reads.looked_up:
-            _RecordingEnviron.reads.set_by_default[key] = value
-            _DEFAULTED.add(key)
-        return value
-
-    @staticmethod
-    def _looked_up(key) -> None:
-        if key not in _DEFAULTED:
-            _RecordingEnviron.reads.looked_up.add(key)
+            reads.found_unset.add(key)
 
 
 @contextlib.contextmanager
 def environment_reads():
-    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too), or sets where unset, is noted in the
-    yielded :class:`EnvironmentReads`."""
+    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too), or finds unset and leaves set, is
+    noted in the yielded :class:`EnvironmentReads`."""
     reads = EnvironmentReads()
     _RecordingEnviron.reads = reads
     _RecordingEnviron.listed = collections.deque()
@@ -262,6 +254,12 @@ def environment_reads():
         yield reads
     finally:
         os.environ.__class__ = os._Environ  # a rank forked later has the plain mapping
+        for name in reads.found_unset:
+            value = os.environ.get(name)
+            if value is not None:
+                reads.looked_up.discard(name)
+                reads.set_where_unset[name] = value
+                _SET_WHERE_UNSET.add(name)
 
 
 def _found_elsewhere(name: str, file: str | None) -> str | None:
@@ -300,7 +298,7 @@ def _preload(name: str, modules: list[str], file: str | None, sys_path: list[str
                 except BaseException:  # noqa: BLE001 - one the notebook made by other means, or that needs it
                     result.setdefault("skipped", []).append(module)
     result["environment_read"] = sorted(read.looked_up)
-    result["environment_set_by_default"] = read.set_by_default
+    result["environment_set_where_unset"] = read.set_where_unset
     tainted = taint(threads_before)
     if tainted:
         result.update(error=tainted, tainted=True)
@@ -339,7 +337,7 @@ def main() -> None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(statuses))  # (also wakes the loop, through the pipe)
     threads_before = threads_at_a_fork()
     forking.send(sock, {"kind": forking.READY, "pid": os.getpid(), "environment_read": sorted(read.looked_up),
-                        "environment_set_by_default": read.set_by_default})
+                        "environment_set_where_unset": read.set_where_unset})
     # (library, its modules, the file the notebook imported it from)
     to_preload: collections.deque[tuple[str, list[str], str | None]] = collections.deque()
     preload_path = list(sys.path)

@@ -13,7 +13,7 @@ import struct
 _HEADER = struct.Struct("!I")
 MAX_FDS = 8
 READY = "ready"  # the template has imported what every rank needs: {"pid", "environment_read": [the variables
-#                  Python code looked up in os.environ as it imported], "environment_set_by_default": {variable:
+#                  Python code looked up in os.environ as it imported], "environment_set_where_unset": {variable:
 #                  the value Python code set it to where it was unset}}
 FORK = "fork"  # start one rank: {"boot", "env", "cwd", "fds"}
 FORKED = "forked"  # {"pid"} or {"error"}
@@ -24,7 +24,7 @@ PRELOAD = "preload"  # import these libraries, one at a time between requests: {
 #                      "sys_path"}
 PRELOADED = "preloaded"  # one library done: {"module", "file", "skipped": [modules]}, or {"module", "error"} (not
 #                          imported, or imported and the template tainted: {"tainted": True}; it forks no more);
-#                          with "environment_read" and "environment_set_by_default" as READY's either way
+#                          with "environment_read" and "environment_set_where_unset" as READY's either way
 STOP = "stop"
 # A rank sets these up itself, from its own environment (matplotlib reads MPLBACKEND at import): the template never
 # preloads them, and a library that imports them is left to the ranks.

@@ -97,6 +97,16 @@ def _numbers(text: str, label: str) -> list[int]:
     return [int(n) for n in re.findall(label + r" (\d+)", text)]
 
 
+def test_the_other_modules_of_what_ranks_set_up_themselves_are_never_asked_for():
+    """matplotlib is the ranks' to set up (MPLBACKEND); its distribution's other top-level modules import it
+    (``mpl_toolkits.mplot3d``, ``pylab``): asked for, they tainted the template of every notebook that plots."""
+    import mpl_toolkits.mplot3d  # noqa: F401
+
+    libraries = template.notebook_libraries()
+    assert "numpy" in libraries  # (what is installed was read)
+    assert not {"matplotlib", "mpl_toolkits", "pylab"} & set(libraries), libraries
+
+
 def test_libraries_that_fail_start_a_thread_or_initialise_cuda_are_left_to_the_ranks(tmp_path, no_leftovers):
     for name, code in _LIBRARIES.items():
         _install(tmp_path, name, code)

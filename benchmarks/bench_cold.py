@@ -11,14 +11,17 @@ Three parts, contenders alternating (the order rotating every repeat), medians:
 - a changed environment (issue 35): a script and the BERT kernel change a variable before each cold ``launch()``
   (a user's, accelerate's launcher run first, one torch reads as it loads), against the same job unchanged
   (``--only env --out RESULTS_env.md`` writes this part alone);
-- a ``%%ddp --background`` cell right after ``%load_ext ddp_notebook`` in a fresh kernel, timed from the client.
+- a ``%%ddp --background`` cell right after ``%load_ext ddp_notebook`` in a fresh kernel, timed from the client;
+- a notebook's own imports (``--only notebooks``): the quickstart's first cells and a trivial ``%%ddp`` cell, run
+  back to back in a fresh kernel (scikit-learn sets ``KMP_*`` as it imports).
 
 ``--before PATH``: a folder holding an older ``ddp_notebook`` (e.g. ``git archive BASE ddp_notebook | tar -x -C
-PATH``), measured alongside as "before" in the fresh-script and background parts.
+PATH``), measured alongside as "before" in the fresh-script, background and notebook parts.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -302,6 +305,44 @@ def background(repeats: int, before: str | None) -> tuple[dict[str, list[float]]
     return times, readiness
 
 
+QUICKSTART = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
+FIRST_JOB = "%%ddp --cpus 2\nx = torch.ones(1)"
+
+
+def _quickstart_once(path: str | None) -> tuple[float, int]:
+    """A fresh kernel runs the quickstart's first two cells (``%load_ext``; the data cell, which imports
+    scikit-learn) and then a trivial ``%%ddp`` cell, back to back as Run All runs them: that cell's time from the
+    client, and how many rank templates the kernel started."""
+    env = dict(os.environ, DDP_NOTEBOOK_DEBUG="1", **({"PYTHONPATH": path} if path else {}))
+    km, kc = start_new_kernel(kernel_name="python3", env=env)
+    try:
+        with open(QUICKSTART) as f:
+            cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"][:2]
+        said = "".join(_cell(kc, cell)[1] for cell in cells)
+        took, out = _cell(kc, FIRST_JOB)
+        return took, (said + out).count("rank template starting")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def notebooks(repeats: int, before: str | None) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    templates: dict[str, list[int]] = {}
+
+    def contender(name: str, path: str | None):
+        def once() -> float:
+            took, started = _quickstart_once(path)
+            templates.setdefault(name, []).append(started)
+            return took
+        return once
+
+    names = {"the quickstart's first `%%ddp` cell, Run All": None}
+    if before:
+        names["the quickstart's first `%%ddp` cell, Run All, before"] = before
+    times = rounds({name: contender(name, path) for name, path in names.items()}, repeats)
+    return times, {name: started[-repeats:] for name, started in templates.items()}
+
+
 def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.0f} ms ({min(values) * 1e3:.0f}–{max(values) * 1e3:.0f})"
 
@@ -319,7 +360,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--background-repeats", type=int, default=5)
     parser.add_argument("--before", help="a folder holding an older ddp_notebook, measured alongside")
-    parser.add_argument("--only", default="fresh,bert,env,background")
+    parser.add_argument("--only", default="fresh,bert,env,background,notebooks")
     parser.add_argument("--out", default="RESULTS_cold.md", help="the file under benchmarks/ to write")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -410,6 +451,19 @@ def main() -> None:
             median = statistics.median(times[name])
             met = "met" if median <= 0.3 else "missed"
             lines += ["", f"- right after `%load_ext`: {median:.2f} s (≤ 0.3 s: {met})", ""]
+        if "notebooks" in only:
+            times, templates = notebooks(args.repeats, args.before)
+            lines += ["## A notebook's own imports change the environment", "",
+                      "A fresh kernel each round runs the quickstart's first two cells (`%load_ext ddp_notebook`; "
+                      "the data cell, whose `import sklearn` sets `KMP_DUPLICATE_LIB_OK` and `KMP_INIT_AT_FORK` "
+                      "where unset) and then a trivial `%%ddp --cpus 2` cell, back to back as Run All runs them; "
+                      "that cell's time from the client, and the rank templates the kernel started.", "",
+                      "| contender | time | templates started |", "|---|---|---|"]
+            lines += [f"| {name} | {_ms(v)} | {', '.join(map(str, templates[name]))} |" for name, v in times.items()]
+            if args.before:
+                names = list(times)
+                lines += ["", f"- the first `%%ddp` cell, now / before: {_ratio(times, names[0], names[1]):.2f}×"]
+            lines.append("")
     path = os.path.join(HERE, args.out)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -22,7 +22,9 @@ from ddp_notebook.wire.errors import LaunchError
 from nbrun import kernel
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+# (These kernels reserve GPUs and refuse cells; the one job whose ranks start needs no rank template.)
 FREE2 = f"""
+%env DDP_NOTEBOOK_TEMPLATE=0
 import sys; sys.path.insert(0, {TESTS!r})
 import fake_nvml
 from ddp_notebook.engine import devices as gpus

@@ -23,10 +23,15 @@ from nbrun import SharedKernel, gone, kernel, run_answering
 pytestmark = [pytest.mark.slow]
 
 
+# This module's kernels start no rank of their own (their ranks are Slurm's tasks): no rank template, as a
+# notebook that only sends jobs to a cluster may choose (it would import torch and go unused: 2 CPU-s a kernel).
+SETUP = "%env DDP_NOTEBOOK_TEMPLATE=0\n%load_ext ddp_notebook"
+
+
 @pytest.fixture(scope="module")
 def shared():
     """The kernel this module's tests take in turn (each ends its own jobs; nbrun.SharedKernel)."""
-    module_kernel = SharedKernel("%load_ext ddp_notebook")
+    module_kernel = SharedKernel(SETUP)
     yield module_kernel
     module_kernel.close()
 
@@ -332,7 +337,7 @@ def test_interrupt_cancels_the_slurm_job_and_keeps_the_kernel(shared, slurm, tmp
 
 @pytest.mark.kernel
 def test_a_killed_kernel_ends_its_slurm_job(slurm, tmp_path):
-    with kernel() as (km, kc):
+    with kernel(SETUP) as (km, kc):
         _run(kc, _setup(str(tmp_path / "runs" / "%j")))
         _, job_id, pids = _until_pids(kc, LONG)
         killed = time.monotonic()
@@ -346,7 +351,7 @@ def test_a_killed_kernel_ends_its_slurm_job(slurm, tmp_path):
 def test_a_kernel_killed_while_its_job_is_queued_leaves_nothing_to_run(slurm, tmp_path):
     blocker = subprocess.run(["sbatch", "--parsable", "-n", "2", "--job-name", JOB_NAME, "--output", "/dev/null",
                               "--wrap", "sleep 20"], capture_output=True, text=True, check=True).stdout.strip()
-    with kernel() as (km, kc):
+    with kernel(SETUP) as (km, kc):
         _run(kc, _setup(str(tmp_path / "runs" / "%j")) + "import ddp_notebook.engine.slurm as slurm_backend\n"
                  "slurm_backend.HEARTBEAT_STALE_S = 8")
         msg_id = kc.execute(LONG)
@@ -388,7 +393,7 @@ def test_a_detached_job_is_followed_from_another_kernel(shared, slurm, tmp_path)
     assert returned_after < 10  # the cell did not wait for the job
     assert _leaves_queue(job_id, 90)  # it ran on its own, with no kernel at all
     folder = os.path.join(str(tmp_path), "runs", job_id)
-    with kernel() as (km, kc):
+    with kernel(SETUP) as (km, kc):
         out, _ = _run(kc, f"import ddp_notebook\nrun = ddp_notebook.follow({folder!r})\n"
                           f"print('FOLLOWED', run.status, [(r['epoch'], round(r['loss'], 4)) for r in run.history])")
     assert "FOLLOWED done [(0, 1.5), (1, 1.0), (2, 0.8333)]" in out  # each epoch's loss, averaged over the ranks

@@ -55,11 +55,14 @@ def _children(pid: int) -> list:
 
 
 def new_listeners(before: dict[tuple[str, int], int], root: int | None = None) -> set[tuple[str, int]]:
-    """Listeners that appeared since ``before`` and are not another program's: ours, or held by no fd at all."""
+    """Listeners that appeared since ``before`` and are not another program's: ours, or held by no fd at all.  One
+    that another program (another pytest worker's kernel or ranks) closed while the fds were read looked held by
+    none: it is gone from the table read again after."""
     now = listeners()
     new = {key: inode for key, inode in now.items() if before.get(key) != inode}
     foreign = held_elsewhere(set(new.values()), root or os.getpid())
-    return {key for key, inode in new.items() if inode not in foreign}
+    still = listeners()
+    return {key for key, inode in new.items() if inode not in foreign and still.get(key) == inode}
 
 
 def accepted(server, timeout: float = 30.0):

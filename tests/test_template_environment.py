@@ -70,7 +70,7 @@ def test_variables_read_when_used_reach_ranks_forked_from_the_same_template(monk
 def test_a_variable_the_template_read_at_import_makes_a_new_template_the_ranks_start_from(monkeypatch, name, value,
                                                                                          no_leftovers):
     first = _fresh_template()
-    assert template.current().read_at_import(name) == ("torch" if name == "TORCH_LOGS" else "native code")
+    assert template.current().read_at_import(name, value) == ("torch" if name == "TORCH_LOGS" else "native code")
     before = ddp_notebook.launch(_what_a_rank_sees, cpus=2)
     assert [r["ppid"] for r in before] == [first] * 2
     monkeypatch.setenv(name, value)
@@ -97,7 +97,7 @@ _OPENMP_SCRIPT = textwrap.dedent("""
     def step(name):
         ranks = ddp_notebook.launch(seen, cpus=2)
         current = template.current()
-        print(json.dumps({"step": name, "template": current.proc.pid, "ranks": ranks,
+        print(json.dumps({"step": name, "first": first.proc.pid, "template": current.proc.pid, "ranks": ranks,
                           "set_where_unset": current.set_where_unset, "affinity_read_by":
                           current.read_at_import("KMP_AFFINITY", "disabled"),
                           "stale": current.stale_for(dict(os.environ, KMP_INIT_AT_FORK="TRUE"))}), flush=True)
@@ -128,8 +128,9 @@ def test_what_scikit_learn_sets_as_it_imports_keeps_the_template_unless_an_openm
     """scikit-learn (the quickstart's second cell) and joblib set ``KMP_DUPLICATE_LIB_OK`` and ``KMP_INIT_AT_FORK``
     where unset as they import, and torch._dynamo sets ``TORCHINDUCTOR_CACHE_DIR`` (the seed recipe's kernel imports
     it): the template that imports them sets the same values, and only Intel's and LLVM's OpenMP read ``KMP_*``
-    (torch's wheels load GNU's), so the template serves the next jobs and their ranks see the values.  A value other than the library's, or a template that has loaded LLVM's OpenMP (a library the script
-    imported, preloaded), makes the next job's ranks come from a new template."""
+    (torch's wheels load GNU's), so the template serves the next jobs and their ranks see the values.  A value
+    other than the library's, or a template that has loaded LLVM's OpenMP (a library the script imported,
+    preloaded), makes the next job's ranks come from a new template."""
     if not os.path.exists("/usr/lib/x86_64-linux-gnu/libomp.so.5"):
         why = "LLVM's OpenMP runtime (apt's libomp5, which .ci/run installs)"
         if os.environ.get("CI") == "true":
@@ -144,7 +145,8 @@ def test_what_scikit_learn_sets_as_it_imports_keeps_the_template_unless_an_openm
     steps = [json.loads(line) for line in done.stdout.splitlines()]
     imported, other_value, read_by, loaded = steps
     first = imported["template"]
-    assert imported["ranks"] == [[first, "True", "FALSE", None]] * 2  # forked from the same template, values of now
+    assert first == imported["first"]  # the template started before the imports is the one the job forked from
+    assert imported["ranks"] == [[first, "True", "FALSE", None]] * 2  # with the values of now
     assert imported["affinity_read_by"] is None  # nothing loaded reads KMP_AFFINITY
     assert {name: value for name, (value, _) in imported["set_where_unset"].items() if name.startswith("KMP_")} == {
         "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
@@ -203,6 +205,23 @@ def test_a_variable_a_library_finds_unset_and_sets_is_noted_with_its_value_and_n
     with environment_reads() as later:
         os.environ.get("DDPNB_TEST_DEFAULTED")  # the value an import left: not read
     assert later.looked_up == set() and later.set_where_unset == {}
+
+
+def test_a_variable_one_module_found_unset_and_another_set_was_read(monkeypatch):
+    """Library A reads a variable while it is unset (and goes on without it), library B then sets it: a fresh
+    import with the value set would give A another start, so it counts as read; so does one its setter found unset
+    twice before setting it."""
+    from ddp_notebook.rank.template import environment_reads
+
+    for name in ("DDPNB_TEST_READ_BY_A", "DDPNB_TEST_FOUND_TWICE"):
+        monkeypatch.delenv(name, raising=False)
+    with environment_reads() as read:
+        exec("import os\nos.environ.get('DDPNB_TEST_READ_BY_A')", {"__name__": "ddpnb_library_a"})
+        exec("import os\nos.environ['DDPNB_TEST_READ_BY_A'] = 'b'", {"__name__": "ddpnb_library_b"})
+        exec("import os\nos.getenv('DDPNB_TEST_FOUND_TWICE')\nos.environ.setdefault('DDPNB_TEST_FOUND_TWICE', '1')",
+             {"__name__": "ddpnb_library_c"})
+    assert read.looked_up == {"DDPNB_TEST_READ_BY_A", "DDPNB_TEST_FOUND_TWICE"}
+    assert read.set_where_unset == {}
 
 
 _GETENV_LOGGER = r"""
@@ -287,7 +306,7 @@ def test_in_a_kernel_a_change_in_the_cell_of_the_jobs_keeps_them_forked_and_a_li
             # after a job and a cell the template preloads the library; wait until it has
             "ddp_notebook.launch(seen, cpus=2)",
             "first = t.current(); assert first.wait_preloaded(); print('PRELOADED', 'ddpnb_fake_envlib' in "
-            "first.preloaded, first.read_at_import('DDPNB_FAKE_ENVLIB_SETTING'))",
+            "first.preloaded, first.read_at_import('DDPNB_FAKE_ENVLIB_SETTING', 'new'))",
             # one cell, as Run All runs it: a user's variable and one torch elastic reads when used, then three jobs
             "os.environ['WANDB_PROJECT'] = 'demo'\nos.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = 'SIGTERM'\n"
             "print('SAME ' + json.dumps([ddp_notebook.launch(seen, cpus=2) for _ in range(3)] + [first.proc.pid]))",

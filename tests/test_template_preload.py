@@ -97,10 +97,12 @@ def _numbers(text: str, label: str) -> list[int]:
     return [int(n) for n in re.findall(label + r" (\d+)", text)]
 
 
-def test_the_other_modules_of_what_ranks_set_up_themselves_are_never_asked_for():
+def test_the_other_modules_of_what_ranks_set_up_themselves_are_never_asked_for(monkeypatch):
     """matplotlib is the ranks' to set up (MPLBACKEND); its distribution's other top-level modules import it
     (``mpl_toolkits.mplot3d``, ``pylab``): asked for, they tainted the template of every notebook that plots."""
     import mpl_toolkits.mplot3d  # noqa: F401
+
+    monkeypatch.setattr(template, "_left_to_ranks", {})  # (not as an earlier template in this process left it)
 
     libraries = template.notebook_libraries()
     assert "numpy" in libraries  # (what is installed was read)

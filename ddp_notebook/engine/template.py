@@ -288,13 +288,16 @@ def mapped_library(pid: int, beginnings: tuple[str, ...]) -> str | None:
     """The file name of a shared library process ``pid`` has mapped that begins with one of ``beginnings``; None if
     it has none.  A process whose maps cannot be read counts as having the first (what it read is not known)."""
     try:
-        with open(f"/proc/{pid}/maps") as maps:
-            for line in maps:
-                name = os.path.basename(line.rstrip("\n").rpartition(" ")[2])
-                if name.startswith(beginnings) and ".so" in name:
-                    return name
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            lines = maps.read().splitlines()
     except OSError:
         return beginnings[0]
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (" (deleted)" if replaced)
+        if len(fields) == 6:
+            name = os.path.basename(fields[5].removesuffix(b" (deleted)")).decode(errors="replace")
+            if name.startswith(beginnings) and ".so" in name:
+                return name
     return None
 
 
@@ -384,8 +387,9 @@ class Template:
         # variable -> what looked it up as the template imported it ("torch", a preloaded library): a fork would
         # not see a later change of it
         self.looked_up: dict[str, str] = {}
-        # variable -> (the value, the library) that found it unset and left it so set as the template imported it: a
-        # fork with it set so sees what a fresh rank's imports would leave
+        # variable -> (the value, the library) that found it unset and set it so as the template imported it: a
+        # fork given that value sees what a fresh rank's imports would have found (one given none lacks the value
+        # the import left, as its environment is the notebook's)
         self.set_where_unset: dict[str, tuple[str, str]] = {}
         self.asked: dict[str, tuple] = {}  # library sent to preload -> the stamp of the notebook's file then
         self.asked_modules: set[str] = set()  # the libraries and their modules sent
@@ -472,7 +476,7 @@ class Template:
                 self._take(message)
         return True
 
-    def read_at_import(self, name: str, value: str | None = None) -> str | None:
+    def read_at_import(self, name: str, value: str | None) -> str | None:
         """What read variable ``name`` when the template imported it, so that a rank forked from it with ``name``
         set to ``value`` (None: unset) would not see it as a fresh rank's imports would: Python code that looked it
         up (``"torch"``, a preloaded library), ``"native code"`` (see ``NATIVE_READ_AT_LOAD``), the file name of a

@@ -188,19 +188,45 @@ def taint(threads_before: int) -> str | None:
 
 class EnvironmentReads:
     """What Python code did with ``os.environ`` within :func:`environment_reads`: the variables it looked up by name
-    (found or not), less those it found unset and left set, which are noted with the value left
+    (found or not), less those a module found unset once and then set itself, which are noted with the value left
     (``set_where_unset``: ``os.environ.setdefault``, as scikit-learn, joblib and threadpoolctl set ``KMP_*``; or a
     default worked out and stored, as torch._dynamo's ``TORCHINDUCTOR_CACHE_DIR``)."""
 
     def __init__(self):
         self.looked_up: set[str] = set()
         self.set_where_unset: dict[str, str] = {}
-        self.found_unset: set[str] = set()
+        self._found_unset_by: dict[str, list[str]] = {}  # name -> the module of each look-up that found it unset
+        self._set_by: dict[str, str] = {}  # name -> the module that set it last
+
+    def found_unset(self, name: str, module: str) -> None:
+        self._found_unset_by.setdefault(name, []).append(module)
+
+    def was_set(self, name: str, module: str) -> None:
+        self._set_by[name] = module
+
+    def settle(self, environ) -> None:
+        """At the end: a variable found unset once, by the module that then set it, was set where unset (a fresh
+        import, finding the value it would leave, leaves it so); found unset by another module first, it was read."""
+        for name, modules in self._found_unset_by.items():
+            value = environ.get(name)
+            if value is not None and modules == [self._set_by.get(name)]:
+                self.looked_up.discard(name)
+                self.set_where_unset[name] = value
+                _SET_WHERE_UNSET.add(name)
 
 
 # The variables this process's imports found unset and left set: a later look-up reads the value they left, which a
 # fresh process's imports would leave too (where the notebook holds another value, the notebook tells it stale).
 _SET_WHERE_UNSET: set[str] = set()
+# Where a look-up or a change of os.environ is made from, but for os.environ's own code.
+_NOT_THE_CALLER = frozenset({"os", "collections.abc", __name__})  # (_collections_abc names itself collections.abc)
+
+
+def _calling_module() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") in _NOT_THE_CALLER:
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "?") if frame is not None else "?"
 
 
 class _RecordingEnviron(os._Environ):
@@ -229,7 +255,15 @@ class _RecordingEnviron(os._Environ):
     def __contains__(self, key):
         _RecordingEnviron.listed.clear()
         self._looked_up(key)
-        return super().__contains__(key)
+        try:
+            os._Environ.__getitem__(self, key)  # (not self[key]: one look-up, not two)
+        except KeyError:
+            return False
+        return True
+
+    def __setitem__(self, key, value):
+        _RecordingEnviron.reads.was_set(key, _calling_module())
+        super().__setitem__(key, value)
 
     def _looked_up(self, key) -> None:
         if key in _SET_WHERE_UNSET:
@@ -239,13 +273,13 @@ class _RecordingEnviron(os._Environ):
         try:
             os._Environ.__getitem__(self, key)
         except KeyError:
-            reads.found_unset.add(key)
+            reads.found_unset(key, _calling_module())
 
 
 @contextlib.contextmanager
 def environment_reads():
-    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too), or finds unset and leaves set, is
-    noted in the yielded :class:`EnvironmentReads`."""
+    """Within: what Python code looks up in ``os.environ`` (``os.getenv`` too), or finds unset and sets, is noted in
+    the yielded :class:`EnvironmentReads`."""
     reads = EnvironmentReads()
     _RecordingEnviron.reads = reads
     _RecordingEnviron.listed = collections.deque()
@@ -254,12 +288,7 @@ def environment_reads():
         yield reads
     finally:
         os.environ.__class__ = os._Environ  # a rank forked later has the plain mapping
-        for name in reads.found_unset:
-            value = os.environ.get(name)
-            if value is not None:
-                reads.looked_up.discard(name)
-                reads.set_where_unset[name] = value
-                _SET_WHERE_UNSET.add(name)
+        reads.settle(os.environ)
 
 
 def _found_elsewhere(name: str, file: str | None) -> str | None:

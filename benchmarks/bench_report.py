@@ -379,6 +379,68 @@ def mlp_blocks_benchmark(args) -> None:
               f"{names['plain']} {front['plain'] * 100:.2f}%")
 
 
+# --frames: how live the figure stays.  Every figure the dashboard renders is noted in the kernel (when, whether drawn
+# over the kept background, what it cost) while a job reports a falling loss every step of ~1 ms for 12 s.
+FRAMES_SETUP = """\
+import time
+from ddp_notebook.notebook import dashboard
+frames = []
+_render = dashboard.Plot.render
+def _noted_render(self, *args, **kwargs):
+    before, started = self.blitted, time.thread_time()
+    png = _render(self, *args, **kwargs)
+    if png is not None and kwargs.get("title") is None:  # (a live frame: the final figure has a title)
+        frames.append((time.monotonic(), self.blitted > before, time.thread_time() - started))
+    return png
+dashboard.Plot.render = _noted_render
+"""
+FRAMES_JOB = """\
+%%ddp --cpus 2
+import math, random, time
+from ddp_notebook import report
+for s in range({steps}):
+    time.sleep(0.001)
+    report(step=s, steps={steps}, loss={loss})
+"""
+FRAMES_FACTS = """\
+import json
+live = frames[:]
+frames.clear()
+gaps = [b[0] - a[0] for a, b in zip(live, live[1:])]
+print("FRAMES", json.dumps({"frames": len(live), "whole": sum(1 for f in live if not f[1]),
+                            "longest_gap_s": max(gaps, default=None), "cpu_s": sum(f[2] for f in live)}))
+"""
+LOSSES = {"falling to zero": "math.exp(-s / 1500)", "a long tail": "1 / (1 + s / 100)",
+          "a noisy plateau": "2.3 + 0.3 * math.exp(-s / 3000) + 0.05 * random.random()"}
+
+
+def frames_benchmark(args) -> None:
+    """How many live frames a 12 s job reporting every step gets, and the longest wait between two."""
+    steps = 12_000
+    print(f"## Live frames of a {steps:,}-step job (1 ms a step, report() every step, 2 CPU ranks), "
+          f"{args.rounds} runs of each loss\n")
+    print("| loss | live frames, median (range) | drawn whole | longest wait between frames, median (range) | "
+          "drawing CPU |")
+    print("|---|---|---|---|---|")
+    with _kernel_cells(args, 600) as cell:
+        cell("%load_ext ddp_notebook")
+        cell(FRAMES_SETUP)
+        cell(FRAMES_JOB.format(steps=2_000, loss="1.0"))  # warm-up: the first figure imports matplotlib
+        cell(FRAMES_FACTS)
+        for name, loss in LOSSES.items():
+            runs = []
+            for _ in range(args.rounds):
+                cell(FRAMES_JOB.format(steps=steps, loss=loss))
+                told = cell(FRAMES_FACTS)
+                runs.append(json.loads(told[told.index("FRAMES ") + len("FRAMES "):].splitlines()[0]))
+            frames = [r["frames"] for r in runs]
+            whole = [r["whole"] for r in runs]
+            gaps = [r["longest_gap_s"] for r in runs if r["longest_gap_s"] is not None]
+            cpu = [r["cpu_s"] for r in runs]
+            print(f"| {name} | {statistics.median(frames):.0f} ({min(frames)}–{max(frames)}) | "
+                  f"{statistics.median(whole):.0f} | {statistics.median(gaps):.1f} s ({min(gaps):.1f}–"
+                  f"{max(gaps):.1f} s) | {statistics.median(cpu) * 1000:.0f} ms |")
+
 KERNEL_FACTS = """\
 import gc, json, ddp_notebook
 gc.collect()
@@ -564,6 +626,8 @@ def main() -> None:
                         "a no-op call, blocks of one job in shuffled rounds")
     parser.add_argument("--loader", action="store_true", help="part 5 with loaders: torch's DataLoader against "
                         "distributed_loader, and distributed_loader with report() every step")
+    parser.add_argument("--frames", action="store_true", help="how live the figure stays: frames of a job "
+                        "reporting a falling loss every step (--rounds runs of each loss)")
     parser.add_argument("--block-steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--raw", help="part 5: write every block's figures to this JSON file")
@@ -573,6 +637,10 @@ def main() -> None:
                         "dashboard.DRAW_SHARE = 0'")
     parser.add_argument("--package", help="import ddp_notebook from this checkout in the kernel (part 4)")
     args = parser.parse_args()
+    if args.frames:
+        print(f"machine: {machine()}\n")
+        frames_benchmark(args)
+        return
     if args.mlp_blocks:
         print(f"machine: {machine()}\n")
         mlp_blocks_benchmark(args)

@@ -2,8 +2,10 @@
 driven with events, without processes (but one: a job of the engine alone keeps its metrics)."""
 import io
 import json
+import math
 import os
 import pickle
+import random
 import re
 import subprocess
 import sys
@@ -553,8 +555,78 @@ def test_the_live_figure_kept_between_jobs_draws_the_next_job_s_curves_alone():
     assert list(line.get_ydata()) == [40.0 + step / 20 for step in range(20)]
     (ax,) = reused._figure.axes
     low, high = ax.get_ylim()
-    assert 38 < low < 40 and 41 < high < 43 and ax.get_xlim()[1] < 30
+    assert 38 < low < 40 and 41 < high < 43 and ax.get_xlim()[1] < 45  # (room as far again ahead)
 
+
+
+def _whole_frames_of_a_run(loss, steps: int = 12_000, per_frame: int = 250, total: int | None = None) -> tuple:
+    """Frames of a live figure for ``loss(step)`` reported every step, drawn every ``per_frame`` steps (a tick of
+    the dashboard): how many were drawn whole after the first, and the last frame's y limits."""
+    curves, plot = dashboard.Curves(), dashboard.Plot()
+    if total is not None:
+        curves.totals = {"step": total}
+    frames = 0
+    for step in range(steps):
+        curves.add({"step": step, "loss": loss(step)})
+        if step % per_frame == per_frame - 1:
+            plot.render(curves.snapshot())
+            frames += 1
+    (ax,) = plot._figure.axes
+    return frames - 1 - plot.blitted, ax.get_ylim()
+
+
+@pytest.mark.parametrize("loss, total, most", [
+    (lambda step: math.exp(-step / 1500), 12_000, 3),  # falls to zero, the run's length given (steps=)
+    (lambda step: 1 / (1 + step / 100), None, 4),  # a long tail, no length given: x needs room too
+    (lambda step: 2.3 + 0.3 * math.exp(-step / 3000) + 0.05 * random.Random(step).random(), 12_000, 3),  # plateau
+    (lambda step: 1 - 0.9 * math.exp(-step / 2000), 12_000, 3),  # an accuracy rising to one
+    (lambda step: -100 * math.exp(-step / 2000), 12_000, 3),  # a negative reward rising to zero
+], ids=["falling-to-zero", "long-tail-no-total", "noisy-plateau", "rising-accuracy", "negative-rising-to-zero"])
+def test_a_live_curve_settles_inside_its_limits_after_a_few_whole_frames(loss, total, most):
+    """A whole frame costs ten times a frame drawn over the kept background, and the drawing budget allows one every
+    10 s or so: a curve that keeps leaving the live limits (room of a quarter of its range) froze the live figure.
+    Of 48 frames (a 24 s run at two frames a second) at most 3 after the first are drawn whole (4 without the run's
+    length; the limits of before drew 4 to 11)."""
+    whole, _ = _whole_frames_of_a_run(loss, total=total)
+    assert whole <= most
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_live_limits_leave_no_room_past_zero_for_a_curve_that_does_not_cross_it(sign):
+    curves, plot = dashboard.Curves(), dashboard.Plot()
+    curves.totals = {"step": 1000}
+    for step in range(100):
+        curves.add({"step": step, "loss": sign * (1.0 - step / 110)})  # from 1 to 0.1: room would reach past zero
+    plot.render(curves.snapshot())
+    (ax,) = plot._figure.axes
+    low, high = ax.get_ylim()
+    if sign == 1:
+        assert low == 0.0 and high > 1.3  # room above
+    else:
+        assert high == 0.0 and low < -1.3
+
+
+def test_a_redraw_dearer_than_the_burst_only_puts_the_next_off_until_it_is_paid_for():
+    """The drawing budget: a whole figure that cost more than the whole burst (a slow machine, many panels) used
+    to stop every later frame but the one MAX_STALE_S forces (10 s apart), as no credit could reach its cost."""
+    budget = dashboard.DrawBudget(0.0, share=0.003, burst_s=0.1)
+    assert budget.allows(0.0)
+    budget.charge(0.15)  # a whole figure: 50 ms of debt, paid off at 0.3 % of the time in 16.7 s
+    assert not budget.allows(16.0)
+    assert budget.allows(17.0)
+    budget.charge(5.0)  # a pathological redraw: what it costs past the burst is forgiven
+    assert not budget.allows(50.0) and budget.allows(51.0)
+
+
+def test_the_drawing_budget_holds_its_share_of_a_core_over_a_long_run():
+    budget, spent, now = dashboard.DrawBudget(0.0, share=0.003, burst_s=0.1), 0.0, 0.0
+    for tick in range(1, 2_000):  # 1,000 s of ticks twice a second; every frame costs 4 ms, every 50th 40 ms
+        now = tick * 0.5
+        if budget.allows(now):
+            cost = 0.04 if tick % 50 == 0 else 0.004
+            budget.charge(cost)
+            spent += cost
+    assert 0.003 * now * 0.9 <= spent <= 0.003 * now + 0.1 + 0.04
 
 ENGINE_ALONE = r"""
 import json, sys

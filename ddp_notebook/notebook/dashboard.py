@@ -32,19 +32,46 @@ from ..wire.protocol import META_KEYS, TOTAL_KEYS, format_record
 
 STATUS_EVERY_S = 0.5  # the status line and the figure are looked at this often
 MIN_REDRAW_S = 0.5  # two figure redraws a second at most
-# Drawing's budget: the kernel spends at most this share of a core drawing, on average: a redraw (3-10 ms where the
-# curves stay inside the live limits and only they are drawn, 30-200 ms of matplotlib's CPU, mostly ticks and
-# labels, where the whole figure is) is paid from a credit that grows by DRAW_SHARE of the time passed, up to
-# DRAW_BURST_S, so the first figures and a figure after a quiet spell (a new epoch) come at once, and a run that
-# changes its curves at every tick (report() every step) redraws every second or two, not every half second.  A
-# redraw is charged the drawing thread's CPU time, not the wall time a busy machine stretches it to.  A figure of
+# Drawing's budget (DrawBudget): the kernel spends at most this share of a core drawing, on average.  A figure of
 # few updates (FEW_UPDATES: an epoch-wise run) is redrawn at each change, paced by MIN_REDRAW_S alone.
 DRAW_SHARE = 0.003
-DRAW_BURST_S = 0.05
+DRAW_BURST_S = 0.1
 FEW_UPDATES = 200  # until the curves have had this many updates (an epoch-wise run's), each change is drawn
 MAX_STALE_S = 10.0  # but a figure that changed is drawn at least this often, whatever a redraw costs
 STEP_LINE_EVERY_S = 2.0  # text view: step-wise reports print at most this often
 MAX_PLOTTED_POINTS = 1000  # per curve; longer curves are thinned for drawing (history keeps all)
+
+
+class DrawBudget:
+    """How much the live figure may draw: ``share`` of a core on average, ``burst_s`` of it at once.
+
+    A redraw (3-10 ms where the curves stay inside the live limits and only they
+    are drawn; 30-200 ms of matplotlib's CPU, mostly ticks and labels, where the
+    whole figure is) is charged after it is drawn, in the drawing thread's CPU
+    time (not the wall time a busy machine stretches it to), to a credit that
+    grows by ``share`` of the time passed, up to ``burst_s``.  A redraw may start
+    while the credit is above zero: the first figures and a figure after a
+    quiet spell (a new epoch) come at once, a run that changes its curves at
+    every tick (``report()`` every step) redraws every second or two, and a
+    redraw dearer than the whole burst only puts the next one off until it is
+    paid for (down to ``-burst_s``: what a single redraw costs beyond that is
+    forgiven, MAX_STALE_S draws a figure that changed anyway).
+    """
+
+    def __init__(self, now: float, share: float = DRAW_SHARE, burst_s: float = DRAW_BURST_S):
+        self.share, self.burst_s = share, burst_s
+        self.credit = burst_s  # seconds of drawing that may be spent now
+        self._credited_at = now
+
+    def allows(self, now: float) -> bool:
+        """Whether a redraw may start at ``now`` (a monotonic time): the credit grown since, above zero."""
+        self.credit = min(self.burst_s, self.credit + (now - self._credited_at) * self.share)
+        self._credited_at = now
+        return self.credit > 0
+
+    def charge(self, spent_s: float) -> None:
+        """A redraw took ``spent_s`` of the drawing thread's CPU time."""
+        self.credit = max(-self.burst_s, self.credit - spent_s)
 
 
 def install() -> None:
@@ -341,12 +368,14 @@ class Plot:
     and the curves over it.  While every curve stays inside its axes' limits, a new frame only restores the
     bitmap and draws the curves (a few ms, where a whole figure takes 30 ms and more of matplotlib's text
     layout); the live limits leave room ahead (to the run's end where the ranks gave it, ``steps=``/``epochs=``,
-    else a quarter more) so that holds most of the time.  The final figure is drawn whole, its limits fitted to
-    the data.
+    else as far again) and around the curves (half their range on each side, but never past zero where the
+    curves do not cross it: a falling loss stays inside until it ends) so that holds most of the time.  The final
+    figure is drawn whole, its limits fitted to the data.
     """
 
     PANEL_W, PANEL_H, DPI = 3.4, 2.4, 100
-    HEADROOM = 0.25  # live limits: this share of the curve's range left free ahead of it (x) and around it (y)
+    AHEAD = 1.0  # live limits: this share of the curve's x range left free ahead of it (where no total was given)
+    HEADROOM = 0.5  # and this share of its y range above and below it
 
     def __init__(self):
         self._figure = None
@@ -458,14 +487,20 @@ class Plot:
         """Live limits: room ahead on x (to the run's end where known) and around the curve on y."""
         x_low, x_high = ax.get_xlim()
         if x_high > x_low:
-            ahead = x_high + (x_high - x_low) * self.HEADROOM
+            ahead = x_high + (x_high - x_low) * self.AHEAD
             if total is not None and x_high < total:
                 ahead = total + (total - x_low) * ax.margins()[0]
             ax.set_xlim(x_low, ahead, auto=True)  # (the next autoscale fits the data again)
         y_low, y_high = ax.get_ylim()
         if y_high > y_low and ax.get_yscale() == "linear":
             room = (y_high - y_low) * self.HEADROOM
-            ax.set_ylim(y_low - room, y_high + room, auto=True)
+            data_low, data_high = ax.dataLim.intervaly
+            low, high = y_low - room, y_high + room
+            if data_low >= 0:  # (a loss, an accuracy, a rate: the room below stops at zero)
+                low = max(low, min(y_low, 0.0))
+            if data_high <= 0:
+                high = min(high, max(y_high, 0.0))
+            ax.set_ylim(low, high, auto=True)
 
     def _build(self, order: list, panels: dict, titled: bool, reporters: dict) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -608,9 +643,7 @@ class DisplayView:
         self.updates_sent = 0
         self._drawn_version = -1
         self._next_draw = 0.0
-        self._credit = DRAW_BURST_S  # seconds of drawing it may spend now
-        self._credit_at = time.monotonic()
-        self._draw_cost = 0.0  # what the last redraw took
+        self._budget = DrawBudget(time.monotonic())
         self._png: str | None = None
         self._broken = False
         self._stop = threading.Event()
@@ -666,11 +699,9 @@ class DisplayView:
             version = watcher.curves.version
             snapshot = None
             now = time.monotonic()
-            self._credit = min(DRAW_BURST_S, self._credit + (now - self._credit_at) * DRAW_SHARE)
-            self._credit_at = now
+            affordable = self._budget.allows(now)
             if final or (version != self._drawn_version and now >= self._next_draw
-                         and (version <= FEW_UPDATES or self._credit >= self._draw_cost
-                              or now >= self._next_draw + MAX_STALE_S)):
+                         and (version <= FEW_UPDATES or affordable or now >= self._next_draw + MAX_STALE_S)):
                 snapshot = watcher.curves.snapshot()
         status = self.status_text(line, final)
         if status != self.status_output.data["text/plain"]:
@@ -681,9 +712,8 @@ class DisplayView:
         started = time.thread_time()
         first = not self.plot.built  # pays for importing matplotlib: no measure of drawing
         png = self.plot.render(snapshot, title=line if final else None, compress_level=6 if final else 1)
-        spent = 0.0 if first else time.thread_time() - started
-        self._credit = max(-DRAW_BURST_S, self._credit - spent)
-        self._draw_cost = spent
+        if not first:
+            self._budget.charge(time.thread_time() - started)
         self._next_draw = time.monotonic() + MIN_REDRAW_S
         self._drawn_version = version
         if png is not None:

@@ -1,7 +1,8 @@
 """Rank side of live metrics: ``report()`` and ``progress()``.
 
-Both only hand a small dict to the channel's sender thread, so the training loop
-pays for a queue put.  The notebook reduces the reports over all ranks
+``report()`` checks its arguments and keeps the call, as given, in a batch that
+the channel's sender thread turns into records and sends (``_record``), so the
+training loop pays for little more than the call.  The notebook reduces the reports over all ranks
 (``history.py``) and draws them (``dashboard.py``).  Rank side: no IPython,
 ipywidgets or matplotlib here.
 """
@@ -71,8 +72,9 @@ class _Batch:
 
     The sender thread pickles each event when its turn comes.  For a batch it
     first waits ``BATCH_WINDOW_S`` (the training loop goes on meanwhile and its
-    reports join the batch), then seals it under the lock; later reports start
-    a new batch.  Once a batch holds ``BUSY_BATCH`` reports or more, the next
+    reports join the batch), then seals it under the lock, makes the calls into
+    records (their steps placed on the task's axis, in order) and packs them;
+    later reports start a new batch.  Once a batch holds ``BUSY_BATCH`` reports or more, the next
     waits ``BUSY_BATCH_WINDOW_S``, until one holds fewer.  So a loop reporting
     1,000 times a second wakes the sender and the notebook twice a second
     instead of 1,000 (four times a second cost the kernel's message handling a
@@ -85,25 +87,30 @@ class _Batch:
     batches meanwhile.
     """
 
-    __slots__ = ("reports", "sealed", "sender")
+    __slots__ = ("reports", "sealed", "sender", "axis", "made")
 
-    def __init__(self, sender):
-        self.reports: list[dict] = []
+    def __init__(self, sender, axis: _Axis):
+        self.reports: list[tuple] = []  # report()'s calls as it took them: made into records here, off the loop
         self.sealed = False
         self.sender = sender
+        self.axis = axis  # the task's step axis, which the calls' steps are placed on, in order, by this thread
+        self.made = None  # what the batch pickles as, once made (its steps are placed on the axis once)
 
     def __reduce__(self):
         global _window_s
+        if self.made is not None:
+            return self.made
         _hurry.wait(_window_s)
         with _batch_lock:
             self.sealed = True
-            reports = list(self.reports)
-        _window_s = BUSY_BATCH_WINDOW_S if len(reports) >= BUSY_BATCH else BATCH_WINDOW_S
-        fields = [("reports", protocol.pack_reports(reports))]
+            calls = list(self.reports)
+        _window_s = BUSY_BATCH_WINDOW_S if len(calls) >= BUSY_BATCH else BATCH_WINDOW_S
+        fields = [("reports", protocol.pack_reports([_record(self.axis, call) for call in calls]))]
         rank_stats = timing.take()  # where this rank's time went since the last batch: once a batch, not a report
         if rank_stats is not None:
             fields.append(("rank_stats", rank_stats))
-        return dict, (tuple(fields),)
+        self.made = (dict, (tuple(fields),))
+        return self.made
 
 
 class Sum:
@@ -155,7 +162,7 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     """
     global _implicit_step
     profiling.step()  # (a --profile window counts report() calls where no loader counts batches)
-    summed = []
+    summed = None
     for value in metrics.values():
         if type(value) is not float and type(value) is not int:  # (plain numbers: the keywords' own dict is sent)
             values, summed = _values(metrics)
@@ -163,13 +170,19 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     else:
         values = metrics
     if step is not None:
-        key, x, total = "step", _number("step", step), steps
+        key, x, total = "step", step, steps
+        if type(x) is not int and type(x) is not float:
+            x = _number("step", x)
     elif epoch is not None:
-        key, x, total = "epoch", _number("epoch", epoch), epochs
+        key, x, total = "epoch", epoch, epochs
+        if type(x) is not int and type(x) is not float:
+            x = _number("epoch", x)
     else:
         key, x, total = "step", _implicit_step + 1, steps
     if key == "step":
         _implicit_step = x  # (the user's numbering)
+    if n is not None:
+        n = _number("n", n)
     ctx = context.current()
     if ctx is None or ctx.sender is None:
         if ctx is None or ctx.rank == 0:  # under plain torchrun, one line per job is enough
@@ -180,21 +193,38 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
                 record["epoch"] = epoch
             print(format_record(record))
         return
+    # What the loop pays for: the call, kept as given; the record is made by the sender thread (_record).
+    call = (key, x, total, epoch, n, summed, values)
+    sender = ctx.sender
+    with _batch_lock:
+        batch = _open_batch
+        if batch is None or batch.sealed or batch.sender is not sender or batch.axis is not _step_axis:
+            batch = _new_batch(sender)
+            batch.reports.append(call)
+        else:
+            batch.reports.append(call)
+            return
+    sender.send(protocol.METRIC, batch)
+
+
+def _record(axis: _Axis, call: tuple) -> dict:
+    """The record a ``report()`` call sends, its step placed on the task's axis (the sender thread, in order)."""
+    key, x, total, epoch, n, summed, values = call
+    body: dict[str, Any] = {"key": key, "x": x, "values": values}
     went_back = None
     if key == "step":
-        x, total, went_back = _step_axis.place(x, total, epoch)
-    body: dict[str, Any] = {"key": key, "x": x, "values": values}
+        body["x"], total, went_back = axis.place(x, total, epoch)
     if total is not None:
         body["total"] = total
     if n is not None:
-        body["n"] = _number("n", n)
+        body["n"] = n
     if summed:
         body["sum"] = summed
     if key == "step" and epoch is not None:
         body["epoch"] = epoch
     if went_back is not None:
         body["went_back"] = went_back
-    _queue_report(ctx.sender, body)
+    return body
 
 
 def begin_task() -> None:
@@ -204,17 +234,12 @@ def begin_task() -> None:
     _step_axis = _Axis()
 
 
-def _queue_report(sender, body: dict) -> None:
+def _new_batch(sender) -> _Batch:
+    """A batch for the reports from now on (called holding ``_batch_lock``)."""
     global _open_batch
-    with _batch_lock:
-        batch = _open_batch
-        fresh = batch is None or batch.sealed or batch.sender is not sender
-        if fresh:
-            batch = _open_batch = _Batch(sender)
-            _hurry.clear()
-        batch.reports.append(body)
-    if fresh:
-        sender.send(protocol.METRIC, batch)
+    _open_batch = _Batch(sender, _step_axis)
+    _hurry.clear()
+    return _open_batch
 
 
 def hurry() -> None:

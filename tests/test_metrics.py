@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
@@ -30,6 +31,8 @@ pytestmark = pytest.mark.timeout(30)
 
 class FakeSender:
     """Records what a rank sends, as the notebook would receive it (pickled on the way)."""
+
+    broken = False
 
     def __init__(self):
         self.queued = []
@@ -184,6 +187,59 @@ def test_steps_counted_within_each_epoch_keep_every_epochs_records_and_the_cell_
     assert re.fullmatch(r"ddp_notebook: rank [01]'s step went back from 3 to 0: taken as a new pass, counted on from "
                         r"step 4 so that every pass keeps its records; give report\(\) a step that keeps rising to "
                         r"number them yourself", told[0]), told[0]
+
+
+def test_report_takes_totals_and_epochs_as_numbers_in_the_call_and_leaves_the_user_s_objects_alone(in_rank):
+    """The records are made by the sender thread: what the call was given must be read in the call.  A tensor or
+    array total was kept as given and added to when a pass started (``total += offset``), the user's own object;
+    a total that is no number failed in the sender thread, which died, and the rank's next flush hung."""
+    total = np.array(3)  # (mutable: a 0-d array; a tensor alike)
+    for epoch in range(2):
+        for i in range(1, 4):
+            metrics.report(epoch=np.int64(epoch), step=i, steps=total, loss=float(i))
+    sent = [r for _, body in in_rank.sent for r in protocol.expand_reports(body["reports"])]
+    assert [(r["x"], r["total"], r["epoch"]) for r in sent] == [(i, 3, 0) for i in (1, 2, 3)] + [
+        (i + 3, 6, 1) for i in (1, 2, 3)]
+    assert all(type(r["total"]) is float and type(r["epoch"]) is float for r in sent)
+    assert total == 3
+    with pytest.raises(TypeError, match=r"report\(steps=\.\.\.\) takes a number"):
+        metrics.report(step=1, steps=[3], loss=1.0)
+    with pytest.raises(TypeError, match=r"report\(epoch=\.\.\.\) takes a number .* of shape \(2,\)"):
+        metrics.report(step=1, epoch=np.array([1, 2]), loss=1.0)
+
+
+def test_reports_to_a_broken_channel_are_dropped_in_the_call(in_rank):
+    """Once the notebook is gone, a batch is never sent nor sealed: reports joining it grew it for the rest of the
+    run."""
+    metrics.report(step=1, loss=1.0)
+    in_rank.broken = True
+    batch = metrics._open_batch
+    for step in range(2, 1000):
+        metrics.report(step=step, loss=1.0)
+    assert len(batch.reports) == 1 and len(in_rank.queued) == 1
+
+
+def test_a_message_that_cannot_be_pickled_is_dropped_with_a_note_and_the_channel_goes_on(capfd):
+    """A rank's sender thread pickles what it sends: an error there used to end the thread, and the rank's next
+    flush (every task's end) waited forever."""
+    import socket
+
+    from ddp_notebook.wire.channel import Connection, Sender
+
+    ours, theirs = socket.socketpair()
+    sender, reader = Sender(Connection(ours)), Connection(theirs)
+    try:
+        sender.send("display", {"data": lambda: None})  # (no pickle takes a lambda)
+        sender.send("metric", {"reports": [1.0]})
+        flushed = threading.Thread(target=sender.flush, daemon=True)
+        flushed.start()
+        flushed.join(10)
+        assert not flushed.is_alive() and not sender.broken
+        assert reader.recv() == ("metric", {"reports": [1.0]})
+        assert "ddp_notebook: a 'display' message could not be sent to the notebook: " in capfd.readouterr().err
+    finally:
+        sender.close()
+        reader.close()
 
 
 def test_report_refuses_what_is_not_a_number(in_rank):

@@ -181,6 +181,10 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         key, x, total = "step", _implicit_step + 1, steps
     if key == "step":
         _implicit_step = x  # (the user's numbering)
+    if total is not None and type(total) is not int and type(total) is not float:
+        total = _number(TOTAL_KEYS[key], total)  # (a tensor kept as given would be added to when a pass starts)
+    if epoch is not None and key == "step" and type(epoch) is not int and type(epoch) is not float:
+        epoch = _number("epoch", epoch)
     if n is not None:
         n = _number("n", n)
     ctx = context.current()
@@ -196,6 +200,8 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     # What the loop pays for: the call, kept as given; the record is made by the sender thread (_record).
     call = (key, x, total, epoch, n, summed, values)
     sender = ctx.sender
+    if sender.broken:  # (the notebook is gone: a batch would never be sent, nor sealed)
+        return
     with _batch_lock:
         batch = _open_batch
         if batch is None or batch.sealed or batch.sender is not sender or batch.axis is not _step_axis:

@@ -32,6 +32,7 @@ import signal
 import socket
 import struct
 import termios
+import sys
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -516,13 +517,13 @@ class Sender:
     def __init__(self, conn: Connection):
         self._conn = conn
         self._queue: queue.Queue = queue.Queue()
-        self._broken = False
+        self.broken = False  # the connection failed: what is sent from now on is dropped
         self._lock = threading.Lock()  # one message on the wire at a time (the thread's, or send_now's)
         self._thread = threading.Thread(target=self._loop, name="ddp-channel-send", daemon=True)
         self._thread.start()
 
     def send(self, kind: str, body: dict | None = None) -> None:
-        if not self._broken:
+        if not self.broken:
             self._queue.put((kind, body or {}))
 
     def send_now(self, kind: str, body: dict | None = None) -> None:
@@ -532,13 +533,18 @@ class Sender:
         self._send((kind, body or {}))
 
     def _send(self, item: tuple) -> None:
+        try:
+            data = ForkingPickler.dumps(item)
+        except Exception as exc:  # noqa: BLE001 - one message that cannot be pickled: the channel goes on
+            print(f"ddp_notebook: a {item[0]!r} message could not be sent to the notebook: {exc!r}", file=sys.stderr)
+            return
         with self._lock:
-            if self._broken:
+            if self.broken:
                 return
             try:
-                self._conn.send(item)
+                self._conn.send_bytes(data)
             except (OSError, EOFError, ValueError):
-                self._broken = True
+                self.broken = True
 
     def _loop(self) -> None:
         while True:

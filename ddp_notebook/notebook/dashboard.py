@@ -58,9 +58,10 @@ class DrawBudget:
     forgiven, MAX_STALE_S draws a figure that changed anyway).
     """
 
-    def __init__(self, now: float, share: float = DRAW_SHARE, burst_s: float = DRAW_BURST_S):
-        self.share, self.burst_s = share, burst_s
-        self.credit = burst_s  # seconds of drawing that may be spent now
+    def __init__(self, now: float, share: float | None = None, burst_s: float | None = None):
+        self.share = DRAW_SHARE if share is None else share  # (read now: a benchmark may set the module's)
+        self.burst_s = DRAW_BURST_S if burst_s is None else burst_s
+        self.credit = self.burst_s  # seconds of drawing that may be spent now
         self._credited_at = now
 
     def allows(self, now: float) -> bool:

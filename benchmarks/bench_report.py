@@ -424,6 +424,8 @@ def frames_benchmark(args) -> None:
     print("|---|---|---|---|---|")
     with _kernel_cells(args, 600) as cell:
         cell("%load_ext ddp_notebook")
+        if args.kernel_setup:
+            cell(args.kernel_setup)
         cell(FRAMES_SETUP)
         cell(FRAMES_JOB.format(steps=2_000, loss="1.0"))  # warm-up: the first figure imports matplotlib
         cell(FRAMES_FACTS)
@@ -632,7 +634,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--raw", help="part 5: write every block's figures to this JSON file")
     parser.add_argument("--long-steps", type=int, default=100_000, help="0: no long run")
-    parser.add_argument("--kernel-setup", help="code run in the kernel after the extension loads (part 4): "
+    parser.add_argument("--kernel-setup", help="code run in the kernel after the extension loads (parts 4, 5 and "
+                        "--frames): "
                         "settings to compare, e.g. 'from ddp_notebook.notebook import dashboard; "
                         "dashboard.DRAW_SHARE = 0'")
     parser.add_argument("--package", help="import ddp_notebook from this checkout in the kernel (part 4)")

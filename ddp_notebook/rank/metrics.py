@@ -2,9 +2,10 @@
 
 ``report()`` checks its arguments and keeps the call, as given, in a batch that
 the channel's sender thread turns into records and sends (``_record``), so the
-training loop pays for little more than the call.  The notebook reduces the reports over all ranks
-(``history.py``) and draws them (``dashboard.py``).  Rank side: no IPython,
-ipywidgets or matplotlib here.
+training loop pays for little more than the call.  The notebook reduces the
+reports over all ranks (``engine/history.py``) and draws them
+(``notebook/dashboard.py``).  Rank side: no IPython, ipywidgets or matplotlib
+here.
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ class _Batch:
     first waits ``BATCH_WINDOW_S`` (the training loop goes on meanwhile and its
     reports join the batch), then seals it under the lock, makes the calls into
     records (their steps placed on the task's axis, in order) and packs them;
-    later reports start a new batch.  Once a batch holds ``BUSY_BATCH`` reports or more, the next
-    waits ``BUSY_BATCH_WINDOW_S``, until one holds fewer.  So a loop reporting
+    later reports start a new batch.  Once a batch holds ``BUSY_BATCH`` reports
+    or more, the next waits ``BUSY_BATCH_WINDOW_S``, until one holds fewer.  So a loop reporting
     1,000 times a second wakes the sender and the notebook twice a second
     instead of 1,000 (four times a second cost the kernel's message handling a
     third more CPU), a lone report leaves within 50 ms, and none is left
@@ -204,13 +205,12 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
         return
     with _batch_lock:
         batch = _open_batch
-        if batch is None or batch.sealed or batch.sender is not sender or batch.axis is not _step_axis:
+        fresh = batch is None or batch.sealed or batch.sender is not sender or batch.axis is not _step_axis
+        if fresh:
             batch = _new_batch(sender)
-            batch.reports.append(call)
-        else:
-            batch.reports.append(call)
-            return
-    sender.send(protocol.METRIC, batch)
+        batch.reports.append(call)
+    if fresh:
+        sender.send(protocol.METRIC, batch)
 
 
 def _record(axis: _Axis, call: tuple) -> dict:

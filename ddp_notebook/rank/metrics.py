@@ -171,20 +171,16 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     else:
         values = metrics
     if step is not None:
-        key, x, total = "step", step, steps
-        if type(x) is not int and type(x) is not float:
-            x = _number("step", x)
+        key, x, total = "step", _number("step", step), steps
     elif epoch is not None:
-        key, x, total = "epoch", epoch, epochs
-        if type(x) is not int and type(x) is not float:
-            x = _number("epoch", x)
+        key, x, total = "epoch", _number("epoch", epoch), epochs
     else:
         key, x, total = "step", _implicit_step + 1, steps
     if key == "step":
         _implicit_step = x  # (the user's numbering)
-    if total is not None and type(total) is not int and type(total) is not float:
+    if total is not None:
         total = _number(TOTAL_KEYS[key], total)  # (a tensor kept as given would be added to when a pass starts)
-    if epoch is not None and key == "step" and type(epoch) is not int and type(epoch) is not float:
+    if epoch is not None and key == "step":
         epoch = _number("epoch", epoch)
     if n is not None:
         n = _number("n", n)

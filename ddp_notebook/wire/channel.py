@@ -31,8 +31,8 @@ import select
 import signal
 import socket
 import struct
-import termios
 import sys
+import termios
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -533,11 +533,7 @@ class Sender:
         self._send((kind, body or {}))
 
     def _send(self, item: tuple) -> None:
-        try:
-            data = ForkingPickler.dumps(item)
-        except Exception as exc:  # noqa: BLE001 - one message that cannot be pickled: the channel goes on
-            print(f"ddp_notebook: a {item[0]!r} message could not be sent to the notebook: {exc!r}", file=sys.stderr)
-            return
+        data = ForkingPickler.dumps(item)  # (before the lock: a batch of reports waits for its window as it pickles)
         with self._lock:
             if self.broken:
                 return
@@ -552,7 +548,11 @@ class Sender:
             try:
                 if item is None:
                     return
-                self._send(item)
+                try:
+                    self._send(item)
+                except Exception as exc:  # noqa: BLE001 - one message that cannot be pickled: the channel goes on
+                    print(f"ddp_notebook: a {item[0]!r} message could not be sent to the notebook: {exc!r}",
+                          file=sys.stderr)
             finally:
                 self._queue.task_done()
 

@@ -6,6 +6,7 @@ of several), pickles it once and hands it to a :class:`~ddp_notebook.engine.job.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable
 
 from .engine import devices as gpu_discovery
@@ -156,7 +157,15 @@ class SpawnContext:
 
     def __init__(self, job: Job):
         self.job = job
-        self.pids = lambda: [job.pids[r] for r in sorted(job.pids)]
+
+    def pids(self) -> list[int]:
+        """The processes' pids, by rank (waited for while they are forked from a rank template that was still
+        importing as spawn() returned)."""
+        job = self.job
+        deadline = time.monotonic() + job.spec.startup_timeout
+        while len(job.pids) < job.spec.world_size and not job.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [job.pids[r] for r in sorted(job.pids)]
 
     def join(self, timeout: float | None = None) -> bool:
         """True once every process has finished; raises the first rank's error."""

@@ -307,6 +307,8 @@ def test_spawn_is_a_drop_in_for_mp_spawn(no_leftovers):
     assert ddp_notebook.spawn(_seed_style_train, args=(2, 10), nprocs=2) == [10.0, 10.0]
     context = ddp_notebook.spawn(_seed_style_train, args=(2, 1), nprocs=2, join=False, daemon=False,
                                  start_method="spawn")
+    pids = context.pids()  # as mp.spawn's: every process's, once spawn() has returned
+    assert len(set(pids)) == 2 and all(type(pid) is int and pid > 0 for pid in pids), pids
     while not context.join(timeout=0.5):
         pass
     assert context.result() == [1.0, 1.0]

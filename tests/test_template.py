@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,7 @@ def _what_a_rank_sees():
         "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgrp(),
         "cwd": os.getcwd(), "sys_path": list(sys.path), "threads": torch.get_num_threads(),
         "omp": os.environ["OMP_NUM_THREADS"], "late": os.environ.get("DDP_NOTEBOOK_TEST_LATE"),
+        "set": os.environ.get("DDP_NOTEBOOK_TEST_SET"),
         "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "cuda_initialized": torch.cuda.is_initialized(),
         "cmdline": psutil.Process().cmdline(), "argv0": sys.argv[0],
         "tag": psutil.Process().environ().get("DDP_NOTEBOOK_TEST_TAG"),  # what the leak checks find ranks by
@@ -80,6 +82,58 @@ def test_a_forked_rank_takes_the_session_environment_directory_and_path_of_now(t
         assert " ".join(rank_saw["cmdline"]).split()[1:] == \
             template.python_module_command("ddp_notebook.rank.worker")[1:]  # -P: nothing of the working folder
         assert rank_saw["argv0"].endswith(os.path.join("rank", "worker.py"))
+
+
+def _not_ready_template() -> int:
+    """A template just started: importing torch, so not ready for a while on any machine."""
+    template.stop()
+    started = template.warm_up()
+    assert started is not None and not started.ready
+    return started.proc.pid
+
+
+def test_a_background_job_started_as_the_template_imports_forks_its_ranks_from_it_with_the_notebook_of_its_start(
+        tmp_path, monkeypatch, no_leftovers):
+    before, later = tmp_path / "before", tmp_path / "later"
+    before.mkdir()
+    later.mkdir()
+    monkeypatch.chdir(before)
+    monkeypatch.setenv("DDP_NOTEBOOK_TEST_SET", "as the job started")
+    monkeypatch.delenv("DDP_NOTEBOOK_TEST_LATE", raising=False)
+    template_pid = _not_ready_template()
+    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, background=True)
+    assert job.pids == {}  # returned at once: its ranks come once the template is ready
+    # The notebook goes on and changes; the ranks still start from the notebook as the job started.
+    monkeypatch.chdir(later)
+    monkeypatch.setenv("DDP_NOTEBOOK_TEST_SET", "changed after")
+    monkeypatch.setenv("DDP_NOTEBOOK_TEST_LATE", "set after")
+    seen = job.wait(timeout=120)
+    assert template.current_pid() == template_pid
+    for rank, rank_saw in enumerate(seen):
+        assert rank_saw["ppid"] == template_pid  # forked from it, not started fresh
+        assert rank_saw["cwd"] == str(before)
+        assert rank_saw["set"] == "as the job started"
+        assert rank_saw["late"] is None
+        assert rank_saw["rank"] == str(rank)
+    assert sorted(job.pids) == [0, 1]
+
+
+def test_a_background_job_stopped_before_the_template_is_ready_starts_no_rank_and_the_next_forks(no_leftovers):
+    template_pid = _not_ready_template()
+    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, background=True)
+    job.stop(timeout=30)
+    assert job.status == "stopped" and job.pids == {}
+    with pytest.raises(ddp_notebook.JobStopped):
+        job.wait()
+    # The template was not harmed: the next background job, with a port of its own (rank 0's store takes over
+    # the socket the notebook bound as the job started), forks from it.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, port=port, background=True)
+    seen = job.wait(timeout=120)
+    assert [rank_saw["ppid"] for rank_saw in seen] == [template_pid] * 2
+    assert template.current_pid() == template_pid
 
 
 def test_forked_ranks_see_what_fresh_ranks_see(monkeypatch, no_leftovers):

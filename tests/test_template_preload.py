@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import psutil
 import pytest
@@ -202,7 +204,8 @@ _BACKGROUND = textwrap.dedent("""
 """)
 
 
-def test_a_background_cell_returns_before_the_template_is_ready_and_its_ranks_start_fresh(tmp_path, no_leftovers):
+def test_a_background_cell_returns_before_the_template_is_ready_and_its_ranks_are_forked_from_it_once_it_is(
+        tmp_path, no_leftovers):
     (tmp_path / "sitecustomize.py").write_text(_HELD_TORCH_IN_THE_TEMPLATE)
     go, folder = tmp_path / "go", tmp_path / "parents"
     folder.mkdir()
@@ -215,19 +218,20 @@ def test_a_background_cell_returns_before_the_template_is_ready_and_its_ranks_st
                      "from ddp_notebook.engine import template as t"])
         reply, said = run_cell(kc, _BACKGROUND)
         assert reply["status"] == "ok", said
-        # The cell has returned, and the template is still held in its import of torch.
-        said = execute(kc, ["print('READY', t.current().wait_ready(timeout=0), 'TEMPLATE', t.current_pid())"])
-        assert "READY False" in said
+        # The cell has returned, and the next one runs, while the template is still held in its import of torch:
+        # no rank has started (none started fresh beside it).
+        said = execute(kc, ["print('READY', t.current().wait_ready(timeout=0), 'TEMPLATE', t.current_pid(), "
+                            "'PIDS', len(ddp_notebook.last_job().pids), 'WROTE', len(os.listdir(FOLDER)))"])
+        assert "READY False" in said and "PIDS 0 WROTE 0" in said, said
         (template_pid,) = _numbers(said, "TEMPLATE")
-        said = execute(kc, ["ddp_notebook.last_job().wait(timeout=120)\n"
-                            "print('DONE', t.current().wait_ready(timeout=0), 'KERNEL', os.getpid())"])
-        assert "DONE False" in said  # the job ran to its end without the template
-        parents = {int((folder / rank).read_text()) for rank in ("0", "1")}
-        assert parents == set(_numbers(said, "KERNEL"))  # fresh ranks, children of the kernel
         go.write_text("")
-        said = execute(kc, ["print('READY', t.current().wait_ready(), 'TEMPLATE', t.current_pid())", _PARENTS])
-        assert f"READY True TEMPLATE {template_pid}" in said
-        assert set(_numbers(said, "PARENT")) == {template_pid}  # a job that may wait forks from it
+        said = execute(kc, ["ddp_notebook.last_job().wait(timeout=120)\n"
+                            "print('DONE', ddp_notebook.last_job().status, 'TEMPLATE', t.current_pid())"])
+        assert f"DONE done TEMPLATE {template_pid}" in said, said
+        parents = {int((folder / rank).read_text()) for rank in ("0", "1")}
+        assert parents == {template_pid}  # forked from it once it was ready
+        said = execute(kc, [_PARENTS])
+        assert set(_numbers(said, "PARENT")) == {template_pid}  # and the next job too
     finally:
         go.write_text("")
         kc.stop_channels()
@@ -299,6 +303,53 @@ def test_a_job_ends_while_the_template_is_still_importing_a_library(tmp_path, mo
     finally:
         (tmp_path / "go").write_text("")
     assert started.wait_preloaded() and "ddpnb_fake_held" in started.preloaded
+    template.stop()
+    sys.modules.pop("ddpnb_fake_held", None)
+
+
+def _until_held_by_another_thread(lock, for_s: float = 0.5) -> None:
+    """Until another thread has held ``lock`` for ``for_s`` seconds on end."""
+    held_since, deadline = None, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if lock.acquire(blocking=False):
+            lock.release()
+            held_since = None
+        elif held_since is None:
+            held_since = time.monotonic()
+        elif time.monotonic() - held_since >= for_s:
+            return
+        time.sleep(0.01)
+    raise AssertionError("no other thread held the lock")
+
+
+def test_a_background_job_that_comes_as_the_template_imports_a_library_holds_up_neither_its_cell_nor_the_cell_s_end(
+        tmp_path, monkeypatch, no_leftovers):
+    _install(tmp_path, "ddpnb_fake_held", _HELD_IN_THE_TEMPLATE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ddp_notebook
+
+    template.stop()
+    started = template.ready_template()
+    assert started.wait_preloaded()  # torch._dynamo: done
+    import ddpnb_fake_held  # noqa: F401  a cell imports it ...
+    try:
+        template.preload_notebook_libraries()  # ... and at its end the template is asked for it: held there
+        assert "ddpnb_fake_held" in started.asked
+        marks = tmp_path / "marks" / "ddpnb_fake_held"
+        while str(started.proc.pid) not in (marks.read_text().split() if marks.exists() else []):
+            time.sleep(0.01)  # (until the template is in that import: a fork request waits for its end)
+        job = ddp_notebook.launch(_exits_and_pid, cpus=2, background=True)
+        assert job.pids == {}  # returned at once: the ranks are forked once the import is done
+        # The cell's end while the job's thread waits to fork: it must not wait for the template's import.
+        _until_held_by_another_thread(started.forking)  # (the job's thread in its fork request)
+        cell_end = threading.Thread(target=template.preload_notebook_libraries)
+        cell_end.start()
+        cell_end.join(timeout=10)
+        assert not cell_end.is_alive()
+        assert not job.done
+    finally:
+        (tmp_path / "go").write_text("")
+    assert job.wait(timeout=120) == [started.proc.pid] * 2  # forked from the template, not started fresh
     template.stop()
     sys.modules.pop("ddpnb_fake_held", None)
 

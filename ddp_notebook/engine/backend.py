@@ -126,6 +126,11 @@ class RankBackend(abc.ABC):
     def start(self, task: Any = None, task_id: int = 0) -> "RankBackend":
         """Start every rank; ``task`` is for backends whose ranks run it themselves."""
 
+    def finish_start(self, stopped: Callable[[], bool]) -> None:
+        """Start what :meth:`start` left for the job's own thread (hook: local ranks that wait for a rank template
+        there, so that a background job's cell returns at once); ``stopped()`` tells that the job was stopped
+        meanwhile.  Nothing for most backends."""
+
     @abc.abstractmethod
     def send(self, rank: int, message: tuple) -> None:
         """Send ``(kind, body)`` to a rank now, or as soon as it has connected."""
@@ -257,6 +262,8 @@ class ChannelRanks(RankBackend):
     def signal(self, ranks, sig: int) -> None:
         """Send ``sig`` to these ranks' processes."""
         for rank in ranks:
+            if rank >= len(self.procs):
+                continue  # not started yet (finish_start)
             proc = self.procs[rank]
             if proc.poll() is None:
                 try:

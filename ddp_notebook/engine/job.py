@@ -610,6 +610,8 @@ class Job(EventSource):
 
     def _run(self) -> None:
         try:
+            if self._owns_group:
+                self._finish_start()
             while True:
                 while self._verdict is None and not self._stop.hard:
                     self._pump_or_stop_gracefully()
@@ -623,6 +625,14 @@ class Job(EventSource):
             self._stop_now()  # stop() asked for it
         else:
             self._finish()
+
+    def _finish_start(self) -> None:
+        """Start the ranks the cell's thread left to this one (a background job's, while the rank template was not
+        ready); a failure to start them is the job's."""
+        try:
+            self.group.finish_start(lambda: self._stop.hard)
+        except Exception as exc:  # noqa: BLE001 - said as the job's error, in its cell
+            self._verdict = Verdict(error=exc)
 
     def _pump_or_stop_gracefully(self) -> None:
         """Pump; the first interrupt asks a task that checks for it to stop at its next batch boundary.  A second

@@ -4,7 +4,9 @@ Each rank is ``python -m ddp_notebook.rank.worker`` in its own session (so Jupyt
 interrupt does not reach it; the notebook decides), with the torchrun
 environment contract, and a JSON bootstrap that holds the channel key (never
 on the command line).  It is forked from the rank template when one is up
-(:mod:`~ddp_notebook.engine.template`: no torch import to wait for), else
+(:mod:`~ddp_notebook.engine.template`: no torch import to wait for; a
+background job whose template is still importing forks them from its own
+thread once it is ready, :meth:`LocalRanks.finish_start`), else
 started fresh with the bootstrap on its stdin.  Messages from a rank go to the job once the rank
 has said who it is (:class:`~ddp_notebook.engine.backend.ChannelRanks`).
 """
@@ -12,17 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 from ..wire import protocol
 from ..wire.channel import ChannelServer
 from . import template as rank_template
 from .backend import ChannelRanks, rank_environment
 from .spec import bind_port, free_port
+
+log = logging.getLogger("ddp_notebook")
 
 
 class LocalRanks(ChannelRanks):
@@ -36,6 +42,8 @@ class LocalRanks(ChannelRanks):
         super().__init__(spec, relay)
         self._port_held: socket.socket | None = None  # MASTER_PORT, bound (not listening) while the ranks run
         self._libraries: dict[str, str] = {}  # the notebook's libraries the working folder would shadow -> their files
+        self._held: list[tuple] | None = None  # ranks left to fork once the template is ready (finish_start)
+        self._held_store: socket.socket | None = None  # rank 0's store socket (--port) meanwhile
 
     def close(self) -> None:
         super().close()
@@ -45,6 +53,10 @@ class LocalRanks(ChannelRanks):
         if self._port_held is not None:
             self._port_held.close()
             self._port_held = None
+        if self._held_store is not None:
+            self._held_store.close()
+            self._held_store = None
+        self._held = None
 
     @property
     def _store_file(self) -> str:
@@ -71,21 +83,52 @@ class LocalRanks(ChannelRanks):
                 self.port = spec.port or free_port(spec.master_addr)
             self.channel = ChannelServer(spec.master_addr)
             self._libraries = rank_template.shadowed_libraries()
+            ranks = [self._rank_start(rank) for rank in range(spec.world_size)]  # (the notebook as it is now)
             template = rank_template.for_job()
-            try:
-                for rank in range(spec.world_size):
-                    self._start_rank(rank, store_sock, template)
-            finally:
-                if template is not None:
-                    template.release()
+            if template is None and rank_template.coming():
+                # A caller that returns at once (a background job) and a template still importing: the ranks are
+                # forked from it once it is ready, by the job's own thread (finish_start), rather than each
+                # importing torch afresh beside it.
+                log.debug("rank template not ready: the ranks are forked from it once it is, off the cell's thread")
+                self._held, self._held_store, store_sock = ranks, store_sock, None
+                self.started_at = None  # (the start-up bound counts from their start)
+                return
+            self._start_ranks(ranks, store_sock, template)
         finally:
             if store_sock is not None:
                 store_sock.close()  # rank 0 holds its own copy
 
-    def _start_rank(self, rank: int, store_sock: socket.socket | None,
-                    template: "rank_template.Template | None") -> None:
+    def finish_start(self, stopped: Callable[[], bool]) -> None:
+        """Fork the ranks a background start left for the job's own thread, once the template is ready (started
+        fresh if it fails); none if the job was stopped meanwhile."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        store_sock, self._held_store = self._held_store, None
+        try:
+            template = rank_template.for_job_once_ready(stopped)
+            if stopped():
+                if template is not None:
+                    template.release()
+                return
+            self.started_at = time.time()
+            self._start_ranks(held, store_sock, template)
+        finally:
+            if store_sock is not None:
+                store_sock.close()
+
+    def _start_ranks(self, ranks: list[tuple], store_sock: socket.socket | None,
+                     template: "rank_template.Template | None") -> None:
+        try:
+            for rank, (start, env, cwd) in enumerate(ranks):
+                self._start_rank(rank, start, env, cwd, store_sock, template)
+        finally:
+            if template is not None:
+                template.release()
+
+    def _rank_start(self, rank: int) -> tuple[protocol.RankStart, dict[str, str], str]:
+        """What rank ``rank`` starts with, read from the notebook now: its bootstrap, environment and folder."""
         spec = self.spec
-        pass_fds = ()
         start = protocol.RankStart(
             rank=rank, local_rank=rank, world_size=spec.world_size, local_world_size=spec.world_size,
             address=tuple(self.channel.address), key=self.channel.key.hex(),
@@ -97,9 +140,13 @@ class LocalRanks(ChannelRanks):
             store_file=self._store_file if spec.init_group and spec.port is None else None,
             timeout=spec.timeout, startup_timeout=spec.startup_timeout, job_dir=self.workdir,
             libraries=self._libraries)
-        env = rank_environment(spec, self.port, rank, rank, spec.world_size)
+        return start, rank_environment(spec, self.port, rank, rank, spec.world_size), os.getcwd()
+
+    def _start_rank(self, rank: int, start: protocol.RankStart, env: dict[str, str], cwd: str,
+                    store_sock: socket.socket | None, template: "rank_template.Template | None") -> None:
+        pass_fds = ()
         store_fd = store_sock.fileno() if rank == 0 and store_sock is not None else None
-        proc = template.fork(start.to_json(), env, os.getcwd(), store_fd) if template is not None else None
+        proc = template.fork(start.to_json(), env, cwd, store_fd) if template is not None else None
         if proc is None:
             if store_fd is not None:
                 os.set_inheritable(store_fd, True)
@@ -107,7 +154,7 @@ class LocalRanks(ChannelRanks):
                 start = dataclasses.replace(start, store_fd=store_fd)
             proc = subprocess.Popen(
                 rank_template.python_module_command("ddp_notebook.rank.worker"), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=os.getcwd(), start_new_session=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True,
                 pass_fds=pass_fds,
             )
             proc.stdin.write(json.dumps(start.to_json()).encode())

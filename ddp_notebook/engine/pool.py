@@ -109,6 +109,7 @@ class Pool:
         global _current
         spec = self.spec
         group = LocalRanks(spec, OutputRelay()).start()
+        group.finish_start(lambda: False)  # (the pool waits for its ranks here, whoever starts it)
         failures: list[str] = []
         group.attach(lambda rank, kind, body: failures.append(
             f"rank {rank}: {body['etype']}: {body['message']}") if kind == protocol.FAILED else None)

@@ -18,9 +18,10 @@ Once ready it preloads, one module at a time between fork requests,
 each cell.  A library that fails to import or leaves the template unfit to
 fork (a thread, CUDA) is left to the ranks, named in the debug log; a template
 it tainted is replaced.  A job's ranks wait for what every rank imports and
-at most for the one library being preloaded when the job came, and never for
-a template that is not ready (or preloading) when the job cannot wait
-(:func:`not_waiting`): they start fresh then.
+at most for the one library being preloaded when the job came.  A job whose
+caller cannot wait (a background job's cell, :func:`not_waiting`) does not
+wait on the caller's thread: its ranks are forked once the template is ready,
+by the job's own thread (:func:`coming`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import threading
 import time
 import types
 import warnings
+from typing import Callable
 
 from ..wire import forking
 from ..wire.channel import ready_now
@@ -660,13 +662,35 @@ def warm_up() -> "Template | None":
 
 @contextlib.contextmanager
 def not_waiting():
-    """Jobs started within never wait for a template that is not ready: their ranks start fresh."""
+    """Jobs started within never wait on this thread for a template that is not ready (:func:`for_job` answers
+    None): their ranks are forked from it later, on the job's own thread, while it is :func:`coming`."""
     before = getattr(_waiting, "off", False)
     _waiting.off = True
     try:
         yield
     finally:
         _waiting.off = before
+
+
+def coming() -> bool:
+    """A template is starting or preloading for this notebook (not off, not failed): ranks that could not wait for
+    it now are better forked from it once it is ready than started fresh beside it, each importing torch again."""
+    with _lock:
+        return _current is not None and enabled() and _current.proc.poll() is None
+
+
+def for_job_once_ready(stopped: Callable[[], bool]) -> "Template | None":
+    """:func:`for_job` for a job's own thread: the template's readiness is awaited in short turns, so that the
+    notebook's other uses of the template (a cell's end asks it to preload) are not held up meanwhile; None at
+    once if ``stopped()`` becomes true."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stopped() and time.monotonic() < deadline:
+        with _lock:
+            template = _current
+        if template is None or not enabled() or template.proc.poll() is not None \
+                or template.wait_ready(timeout=0.1):
+            break
+    return None if stopped() else for_job()
 
 
 def for_job() -> "Template | None":
@@ -714,19 +738,27 @@ def ready_template() -> "Template | None":
 
 
 def preload_notebook_libraries(*_) -> None:
-    """After a cell (IPython's ``post_run_cell``): a ready template preloads the libraries the notebook imported."""
+    """After a cell (IPython's ``post_run_cell``): a ready template preloads the libraries the notebook imported.
+    Not while a background job's thread forks ranks from it (the cell would wait for the library being preloaded
+    then): their :meth:`Template.release` asks for the preload."""
     with _lock:
         template = _current
-        if template is None or not enabled() or (template.asked and template.tainted is None
-                                                  and len(sys.modules) == template.modules_when_asked
-                                                  and not template.stale_for(template_environment())):
-            return  # (the cheap tests first: nothing imported, no variable the template read changed; most cells)
+        if template is None or not enabled():
+            return
+        forking = template.forking
+        if not forking.acquire(blocking=False):
+            return
         try:
+            if template.asked and template.tainted is None and len(sys.modules) == template.modules_when_asked \
+                    and not template.stale_for(template_environment()):
+                return  # (the cheap tests first: nothing imported, no variable the template read changed; most cells)
             template = warm_up()  # a tainted or outdated template is replaced
             if template is not None and template.wait_ready(timeout=0):
                 template.preload()
         except OSError as exc:  # never the cell's concern
             log.debug("rank template: no preload after the cell: %s", exc)
+        finally:
+            forking.release()
 
 
 def current() -> "Template | None":

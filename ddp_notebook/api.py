@@ -77,14 +77,18 @@ def launch(fn: Callable, args: tuple = (), kwargs: dict | None = None, *, gpus: 
     warm = warm_pool_for(gpus, cpus, nnodes, executor=executor)
     spec = plan(warm, gpus=gpus, cpus=cpus, backend=backend, port=port, seed=seed, timeout=timeout, nnodes=nnodes,
                 master_addr=master_addr, export=export, executor=executor, force=force, wait=wait)
-    task = payload.CallTask(fn, args, kwargs, False, payload.sources_for(fn))
-    if detach:
-        return submit_detached(spec, task)
-    options = JobOptions(max_restarts=max_restarts, hang_after=hang_after or None, keep_failed_rank=debug,
-                         callbacks=tuple(callbacks), profile=profile, profile_folder=log_dir,
-                         # input() and pdb in a rank ask here, in the foreground
-                         prompter=None if background else prompting.ask_in_notebook)
-    job = prepare_job(spec, task, options, on_pool=warm is not None, background=background, log_dir=log_dir)
+    try:
+        task = payload.CallTask(fn, args, kwargs, False, payload.sources_for(fn))
+        if detach:
+            return submit_detached(spec, task)
+        options = JobOptions(max_restarts=max_restarts, hang_after=hang_after or None, keep_failed_rank=debug,
+                             callbacks=tuple(callbacks), profile=profile, profile_folder=log_dir,
+                             # input() and pdb in a rank ask here, in the foreground
+                             prompter=None if background else prompting.ask_in_notebook)
+        job = prepare_job(spec, task, options, on_pool=warm is not None, background=background, log_dir=log_dir)
+    except BaseException:  # (an interrupt too): the job will not run, and its GPUs go back now
+        spec.release_devices()
+        raise
     start_job(job, background=background)
     if background:
         return job.run_in_background()
@@ -162,8 +166,7 @@ class SpawnContext:
         """The processes' pids, by rank (waited for while they are forked from a rank template that was still
         importing as spawn() returned)."""
         job = self.job
-        deadline = time.monotonic() + job.spec.startup_timeout
-        while len(job.pids) < job.spec.world_size and not job.done and time.monotonic() < deadline:
+        while len(job.pids) < job.spec.world_size and not job.done:  # (a start that fails ends the job)
             time.sleep(0.01)
         return [job.pids[r] for r in sorted(job.pids)]
 
@@ -216,7 +219,8 @@ def prepare_job(spec: JobSpec, task: Any, options: JobOptions = JobOptions(), *,
 
 def start_job(job: Job, background: bool = False) -> Job:
     """Start a prepared job; if it cannot start, its shared arrays are let go at once.  ``background``: the caller
-    returns at once, so the job never waits for a rank template that is not ready (its ranks start fresh)."""
+    returns at once, so the job never waits here for a rank template that is not ready: its own thread forks the
+    ranks from it once it is (:meth:`~ddp_notebook.engine.backend.RankBackend.finish_start`)."""
     try:
         if background:
             with rank_template.not_waiting():

@@ -243,3 +243,22 @@ def test_wait_gives_up_after_its_minutes_naming_how_many_are_taken(server, capsy
         assert "waiting for 1 GPU: 8 busy — 0:00:00" in capsys.readouterr().err
     finally:
         _end(other)
+
+
+def test_an_interrupt_between_reserving_gpus_and_making_the_job_gives_them_back(server, monkeypatch):
+    """launch() reserves the GPUs as it plans the job, then reads the function's source and makes the job: an
+    interrupt (Jupyter's stop button) or an error in between must not keep them from every other job until the
+    kernel ends."""
+    import ddp_notebook
+    from ddp_notebook import api
+
+    def interrupted(fn):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.payload, "sources_for", interrupted)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        ddp_notebook.launch(len, ("ab",), gpus="1,2")
+    # Kept, as IPython keeps the last traceback (sys.last_traceback) and with it the call's frames until the next
+    # error: the GPUs must go back before that, not when the job's plan is collected.
+    assert interrupted.tb is not None
+    assert reservations.holders(fake_nvml.UUIDS[1:3]) == {uuid: None for uuid in fake_nvml.UUIDS[1:3]}

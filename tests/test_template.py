@@ -100,40 +100,64 @@ def test_a_background_job_started_as_the_template_imports_forks_its_ranks_from_i
     monkeypatch.chdir(before)
     monkeypatch.setenv("DDP_NOTEBOOK_TEST_SET", "as the job started")
     monkeypatch.delenv("DDP_NOTEBOOK_TEST_LATE", raising=False)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.syspath_prepend(str(before))
     template_pid = _not_ready_template()
     job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, background=True)
     assert job.pids == {}  # returned at once: its ranks come once the template is ready
-    # The notebook goes on and changes; the ranks still start from the notebook as the job started.
+    # The notebook goes on and changes, a variable the template read as it started included (glibc's, which would
+    # make the next job's ranks come from a new template); the ranks still start from the notebook as the job
+    # started, forked from the template that was coming then.
     monkeypatch.chdir(later)
+    monkeypatch.syspath_prepend(str(later))
     monkeypatch.setenv("DDP_NOTEBOOK_TEST_SET", "changed after")
     monkeypatch.setenv("DDP_NOTEBOOK_TEST_LATE", "set after")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     seen = job.wait(timeout=120)
     assert template.current_pid() == template_pid
     for rank, rank_saw in enumerate(seen):
         assert rank_saw["ppid"] == template_pid  # forked from it, not started fresh
         assert rank_saw["cwd"] == str(before)
+        assert str(before) in rank_saw["sys_path"] and str(later) not in rank_saw["sys_path"]
         assert rank_saw["set"] == "as the job started"
         assert rank_saw["late"] is None
         assert rank_saw["rank"] == str(rank)
     assert sorted(job.pids) == [0, 1]
 
 
+def _a_free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_a_background_job_stopped_before_the_template_is_ready_starts_no_rank_and_the_next_forks(no_leftovers):
     template_pid = _not_ready_template()
-    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, background=True)
+    port = _a_free_port()  # (rank 0's store would take over the socket the notebook binds as the job starts)
+    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, port=port, background=True)
+    with pytest.raises(OSError):
+        socket.create_server(("127.0.0.1", port))  # held for the job's ranks
     job.stop(timeout=30)
     assert job.status == "stopped" and job.pids == {}
     with pytest.raises(ddp_notebook.JobStopped):
         job.wait()
-    # The template was not harmed: the next background job, with a port of its own (rank 0's store takes over
-    # the socket the notebook bound as the job started), forks from it.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, port=port, background=True)
+    socket.create_server(("127.0.0.1", port)).close()  # let go with the job
+    # The template was not harmed: the next background job, again before it is ready, forks from it.
+    assert not template.current().ready
+    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, port=_a_free_port(), background=True)
+    assert job.pids == {}
     seen = job.wait(timeout=120)
     assert [rank_saw["ppid"] for rank_saw in seen] == [template_pid] * 2
     assert template.current_pid() == template_pid
+
+
+def test_a_background_job_whose_template_is_stopped_before_it_is_ready_starts_its_ranks_fresh(no_leftovers):
+    _not_ready_template()
+    job = ddp_notebook.launch(_what_a_rank_sees, cpus=2, background=True)
+    assert job.pids == {}
+    template.stop()  # %ddp_stop, as the job's thread waits for it
+    seen = job.wait(timeout=120)
+    assert [rank_saw["ppid"] for rank_saw in seen] == [os.getpid()] * 2  # fresh, children of the notebook
 
 
 def test_forked_ranks_see_what_fresh_ranks_see(monkeypatch, no_leftovers):

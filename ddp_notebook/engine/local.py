@@ -42,7 +42,8 @@ class LocalRanks(ChannelRanks):
         super().__init__(spec, relay)
         self._port_held: socket.socket | None = None  # MASTER_PORT, bound (not listening) while the ranks run
         self._libraries: dict[str, str] = {}  # the notebook's libraries the working folder would shadow -> their files
-        self._held: list[tuple] | None = None  # ranks left to fork once the template is ready (finish_start)
+        # (the template coming, what each rank starts with): ranks left to fork once it is ready (finish_start)
+        self._held: tuple[rank_template.Template, list[tuple]] | None = None
         self._held_store: socket.socket | None = None  # rank 0's store socket (--port) meanwhile
 
     def close(self) -> None:
@@ -85,12 +86,14 @@ class LocalRanks(ChannelRanks):
             self._libraries = rank_template.shadowed_libraries()
             ranks = [self._rank_start(rank) for rank in range(spec.world_size)]  # (the notebook as it is now)
             template = rank_template.for_job()
-            if template is None and rank_template.coming():
+            coming = rank_template.coming() if template is None else None
+            if coming is not None:
                 # A caller that returns at once (a background job) and a template still importing: the ranks are
                 # forked from it once it is ready, by the job's own thread (finish_start), rather than each
                 # importing torch afresh beside it.
                 log.debug("rank template not ready: the ranks are forked from it once it is, off the cell's thread")
-                self._held, self._held_store, store_sock = ranks, store_sock, None
+                self._held = (coming, ranks)
+                self._held_store, store_sock = store_sock, None
                 self.started_at = None  # (the start-up bound counts from their start)
                 return
             self._start_ranks(ranks, store_sock, template)
@@ -104,15 +107,18 @@ class LocalRanks(ChannelRanks):
         held, self._held = self._held, None
         if held is None:
             return
+        coming, ranks = held
         store_sock, self._held_store = self._held_store, None
         try:
-            template = rank_template.for_job_once_ready(stopped)
+            template = coming if coming.ready_for(stopped) else None  # (the one the job started with, or fresh)
             if stopped():
                 if template is not None:
                     template.release()
                 return
+            if template is None:
+                log.debug("rank template gone or replaced before it was ready: ranks start fresh")
             self.started_at = time.time()
-            self._start_ranks(held, store_sock, template)
+            self._start_ranks(ranks, store_sock, template)
         finally:
             if store_sock is not None:
                 store_sock.close()

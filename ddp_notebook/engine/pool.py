@@ -109,12 +109,12 @@ class Pool:
         global _current
         spec = self.spec
         group = LocalRanks(spec, OutputRelay()).start()
-        group.finish_start(lambda: False)  # (the pool waits for its ranks here, whoever starts it)
         failures: list[str] = []
         group.attach(lambda rank, kind, body: failures.append(
             f"rank {rank}: {body['etype']}: {body['message']}") if kind == protocol.FAILED else None)
-        deadline = time.time() + spec.startup_timeout
         try:
+            group.finish_start(lambda: False)  # (the pool waits for its ranks here, whoever starts it)
+            deadline = time.time() + spec.startup_timeout
             while len(group.ready) < spec.world_size:
                 group.pump(0.05)
                 if failures or group.exited or time.time() > deadline:

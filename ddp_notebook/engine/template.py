@@ -21,7 +21,7 @@ it tainted is replaced.  A job's ranks wait for what every rank imports and
 at most for the one library being preloaded when the job came.  A job whose
 caller cannot wait (a background job's cell, :func:`not_waiting`) does not
 wait on the caller's thread: its ranks are forked once the template is ready,
-by the job's own thread (:func:`coming`).
+by the job's own thread (:func:`coming`, :meth:`Template.ready_for`).
 """
 from __future__ import annotations
 
@@ -436,7 +436,11 @@ class Template:
         while True:
             wait = 0.0 if until is None else 0.1 if deadline is None else \
                 min(0.1, max(0.0, deadline - time.monotonic()))
-            if not select.select([self.sock], [], [], wait)[0]:
+            try:
+                readable = select.select([self.sock], [], [], wait)[0]
+            except (OSError, ValueError):  # its socket closed: stopped by another thread (%ddp_stop)
+                return None
+            if not readable:
                 if until is None or (deadline is not None and time.monotonic() > deadline) \
                         or self.proc.poll() is not None:
                     return None
@@ -528,6 +532,24 @@ class Template:
         """A job's ranks are coming: the template imports nothing between their forks (until :meth:`release`)."""
         with self.forking:
             forking.send(self.sock, {"kind": forking.HOLD})
+
+    def ready_for(self, stopped: Callable[[], bool], timeout: float = READY_TIMEOUT_S) -> bool:
+        """On a job's own thread, for ranks it could not fork as it started (:func:`coming`): wait until this
+        template is ready, in short turns that never hold up the notebook's other uses of it (a cell's end asks it
+        to preload), and hold it for the ranks (:meth:`release` once they are forked).  False, and not held, if
+        ``stopped()`` becomes true, or it ended, failed or was replaced meanwhile: the ranks start fresh then."""
+        deadline = time.monotonic() + timeout
+        while not self.wait_ready(timeout=0.1):
+            if stopped() or self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+        with _lock:
+            if stopped() or _current is not self:
+                return False
+            try:
+                self.hold()
+            except OSError:  # it died as the ranks came
+                return False
+        return True
 
     def release(self) -> None:
         """The job's ranks are forked: the template goes on preloading, now with the notebook's new libraries."""
@@ -672,25 +694,16 @@ def not_waiting():
         _waiting.off = before
 
 
-def coming() -> bool:
-    """A template is starting or preloading for this notebook (not off, not failed): ranks that could not wait for
-    it now are better forked from it once it is ready than started fresh beside it, each importing torch again."""
+def coming() -> "Template | None":
+    """For a job started within :func:`not_waiting` that :func:`for_job` answered None: the template starting or
+    preloading for this notebook, whose ranks are better forked from it once it is ready
+    (:meth:`Template.ready_for`) than started fresh beside it, each importing torch again; None when templates are
+    off or it failed, or the caller may wait."""
+    if not getattr(_waiting, "off", False) or not enabled():
+        return None
     with _lock:
-        return _current is not None and enabled() and _current.proc.poll() is None
-
-
-def for_job_once_ready(stopped: Callable[[], bool]) -> "Template | None":
-    """:func:`for_job` for a job's own thread: the template's readiness is awaited in short turns, so that the
-    notebook's other uses of the template (a cell's end asks it to preload) are not held up meanwhile; None at
-    once if ``stopped()`` becomes true."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not stopped() and time.monotonic() < deadline:
-        with _lock:
-            template = _current
-        if template is None or not enabled() or template.proc.poll() is not None \
-                or template.wait_ready(timeout=0.1):
-            break
-    return None if stopped() else for_job()
+        template = _current
+    return template if template is not None and template.proc.poll() is None else None
 
 
 def for_job() -> "Template | None":

@@ -640,7 +640,7 @@ def _start_in_background(shell, job, returns: list[str], cell_log, settle):
 
     job.on_done.append(finished)
     try:
-        api.start_job(job, background=True)  # the cell returns at once: fresh ranks if the template is not ready
+        api.start_job(job, background=True)  # the cell returns at once (the job's thread waits for a template)
     except LaunchError as exc:
         raise UsageError(str(exc)) from None
     dashboard.attach(job)  # shown now, under this cell, with a Stop button

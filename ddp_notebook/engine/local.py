@@ -5,8 +5,8 @@ interrupt does not reach it; the notebook decides), with the torchrun
 environment contract, and a JSON bootstrap that holds the channel key (never
 on the command line).  It is forked from the rank template when one is up
 (:mod:`~ddp_notebook.engine.template`: no torch import to wait for; a
-background job whose template is still importing forks them from its own
-thread once it is ready, :meth:`LocalRanks.finish_start`), else
+background job forks them on its own thread, once the template is ready,
+:meth:`LocalRanks.finish_start`), else
 started fresh with the bootstrap on its stdin.  Messages from a rank go to the job once the rank
 has said who it is (:class:`~ddp_notebook.engine.backend.ChannelRanks`).
 """
@@ -88,10 +88,9 @@ class LocalRanks(ChannelRanks):
             template = rank_template.for_job()
             coming = rank_template.coming() if template is None else None
             if coming is not None:
-                # A caller that returns at once (a background job) and a template still importing: the ranks are
-                # forked from it once it is ready, by the job's own thread (finish_start), rather than each
-                # importing torch afresh beside it.
-                log.debug("rank template not ready: the ranks are forked from it once it is, off the cell's thread")
+                # A caller that returns at once (a background job): the ranks are forked by the job's own thread
+                # (finish_start) once the template is ready, rather than each importing torch afresh beside it.
+                log.debug("ranks forked from the rank template by the job's own thread, once it is ready")
                 self._held = (coming, ranks)
                 self._held_store, store_sock = store_sock, None
                 self.started_at = None  # (the start-up bound counts from their start)
@@ -103,7 +102,7 @@ class LocalRanks(ChannelRanks):
 
     def finish_start(self, stopped: Callable[[], bool]) -> None:
         """Fork the ranks a background start left for the job's own thread, once the template is ready (started
-        fresh if it fails); none if the job was stopped meanwhile."""
+        fresh if it ended, failed or was replaced meanwhile); none if the job was stopped meanwhile."""
         held, self._held = self._held, None
         if held is None:
             return

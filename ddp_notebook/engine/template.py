@@ -19,9 +19,9 @@ each cell.  A library that fails to import or leaves the template unfit to
 fork (a thread, CUDA) is left to the ranks, named in the debug log; a template
 it tainted is replaced.  A job's ranks wait for what every rank imports and
 at most for the one library being preloaded when the job came.  A job whose
-caller cannot wait (a background job's cell, :func:`not_waiting`) does not
-wait on the caller's thread: its ranks are forked once the template is ready,
-by the job's own thread (:func:`coming`, :meth:`Template.ready_for`).
+caller cannot wait (a background job's cell, :func:`not_waiting`) forks on
+its own thread, once the template is ready (:func:`coming`,
+:meth:`Template.ready_for`).
 """
 from __future__ import annotations
 
@@ -695,10 +695,10 @@ def not_waiting():
 
 
 def coming() -> "Template | None":
-    """For a job started within :func:`not_waiting` that :func:`for_job` answered None: the template starting or
-    preloading for this notebook, whose ranks are better forked from it once it is ready
-    (:meth:`Template.ready_for`) than started fresh beside it, each importing torch again; None when templates are
-    off or it failed, or the caller may wait."""
+    """For a job started within :func:`not_waiting`: the template its own thread forks its ranks from once it is
+    ready (:meth:`Template.ready_for`), rather than the caller waiting for it (it may be importing torch, or a
+    library, and each fork takes tens of milliseconds) or the ranks starting fresh beside it, each importing torch
+    again; None when templates are off or it failed, or the caller may wait."""
     if not getattr(_waiting, "off", False) or not enabled():
         return None
     with _lock:
@@ -709,15 +709,12 @@ def coming() -> "Template | None":
 def for_job() -> "Template | None":
     """The template to fork a job's ranks from (started now if none is up, and waited for until it has imported
     what every rank imports), held for them (:meth:`Template.release` once they are forked); None to start them
-    fresh: templates are off or it failed, or it is not ready or is preloading and the caller does not wait
-    (:func:`not_waiting`)."""
+    fresh: templates are off or it failed.  A caller that does not wait (:func:`not_waiting`) gets None at once,
+    and forks from the template :func:`coming` on the job's own thread."""
     global _current
     with _lock:
         template = warm_up()  # a template that is no longer usable is replaced
-        if template is None:
-            return None
-        if getattr(_waiting, "off", False) and (not template.wait_ready(timeout=0) or template.unanswered):
-            log.debug("rank template not ready or preloading: ranks start fresh")
+        if template is None or getattr(_waiting, "off", False):
             return None
         try:
             template.hold()

@@ -276,7 +276,14 @@ def _machine_cpu_s() -> float:
 
 # What a notebook runs between %load_ext and its first background cell: nothing (Run All of a cell right after it),
 # or its own imports, as every notebook has (the template imports meanwhile).
-BACKGROUND_CASES = {"right after `%load_ext`": None, "after the notebook's `import torch`": "import torch"}
+BACKGROUND_CASES = {
+    "right after `%load_ext`": None,
+    "after the notebook's `import torch`": "import torch",
+    # (the template then preloads them, one library at a time: a job waits for the one being imported)
+    "after importing pandas, transformers and accelerate and setting two variables":
+        "import os, torch, pandas, transformers, accelerate\nos.environ['WANDB_PROJECT'] = 'demo'\n"
+        "os.environ['HF_HOME'] = os.path.expanduser('~/.cache/huggingface')",
+}
 
 
 def _background_once(path: str | None, first_cell: str | None) -> dict[str, float | bool | None]:

@@ -322,8 +322,11 @@ def _until_held_by_another_thread(lock, for_s: float = 0.5) -> None:
     raise AssertionError("no other thread held the lock")
 
 
-def test_a_background_job_that_comes_as_the_template_imports_a_library_holds_up_neither_its_cell_nor_the_cell_s_end(
+def test_as_the_template_imports_a_library_a_background_job_starts_fresh_and_a_job_forking_holds_up_no_cell_s_end(
         tmp_path, monkeypatch, no_leftovers):
+    """A library of the notebook's may take seconds to import, which fresh ranks need not wait for: a background job
+    that comes meanwhile starts its ranks fresh (its cell returns at once).  A job that forks from the template
+    waits for that import to end, and a cell that ends meanwhile must not wait with it."""
     _install(tmp_path, "ddpnb_fake_held", _HELD_IN_THE_TEMPLATE)
     monkeypatch.syspath_prepend(str(tmp_path))
     import ddp_notebook
@@ -332,24 +335,30 @@ def test_a_background_job_that_comes_as_the_template_imports_a_library_holds_up_
     started = template.ready_template()
     assert started.wait_preloaded()  # torch._dynamo: done
     import ddpnb_fake_held  # noqa: F401  a cell imports it ...
+    forked = []
     try:
         template.preload_notebook_libraries()  # ... and at its end the template is asked for it: held there
         assert "ddpnb_fake_held" in started.asked
         marks = tmp_path / "marks" / "ddpnb_fake_held"
         while str(started.proc.pid) not in (marks.read_text().split() if marks.exists() else []):
             time.sleep(0.01)  # (until the template is in that import: a fork request waits for its end)
-        job = ddp_notebook.launch(_exits_and_pid, cpus=2, background=True)
-        assert job.pids == {}  # returned at once: the ranks are forked once the import is done
-        # The cell's end while the job's thread waits to fork: it must not wait for the template's import.
-        _until_held_by_another_thread(started.forking)  # (the job's thread in its fork request)
+        background = ddp_notebook.launch(_exits_and_pid, cpus=2, background=True)
+        assert background.wait(timeout=120) == [os.getpid()] * 2  # fresh, while the template still imports
+        assert not started.wait_preloaded(timeout=0)
+        # A job that forks from it (a foreground job of another thread) waits for the import's end ...
+        job = threading.Thread(target=lambda: forked.extend(ddp_notebook.launch(_exits_and_pid, cpus=2)))
+        job.start()
+        _until_held_by_another_thread(started.forking)  # (its fork request)
+        # ... and a cell's end meanwhile does not.
         cell_end = threading.Thread(target=template.preload_notebook_libraries)
         cell_end.start()
         cell_end.join(timeout=10)
         assert not cell_end.is_alive()
-        assert not job.done
+        assert job.is_alive() and not forked
     finally:
         (tmp_path / "go").write_text("")
-    assert job.wait(timeout=120) == [started.proc.pid] * 2  # forked from the template, not started fresh
+    job.join(timeout=120)
+    assert forked == [started.proc.pid] * 2  # forked from the template once its import was done
     template.stop()
     sys.modules.pop("ddpnb_fake_held", None)
 

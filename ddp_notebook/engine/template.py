@@ -533,6 +533,19 @@ class Template:
         with self.forking:
             forking.send(self.sock, {"kind": forking.HOLD})
 
+    def importing_a_library(self) -> bool:
+        """Ready, and preloading a library of the notebook's (``torch._dynamo`` and the other imports every rank
+        makes are done): an import that may take seconds, which a job's ranks may never need.  Without waiting for
+        another thread that forks from it (its state as last read then)."""
+        if self.forking.acquire(blocking=False):
+            try:
+                self._receive()  # what it has said since
+            finally:
+                self.forking.release()
+        first_pending = any(name in self.asked and name not in self.preloaded and name not in _left_to_ranks
+                            for name in FIRST_PRELOADS)
+        return self.ready and self.unanswered > 0 and not first_pending
+
     def ready_for(self, stopped: Callable[[], bool], timeout: float = READY_TIMEOUT_S) -> bool:
         """On a job's own thread, for ranks it could not fork as it started (:func:`coming`): wait until this
         template is ready, in short turns that never hold up the notebook's other uses of it (a cell's end asks it
@@ -696,14 +709,20 @@ def not_waiting():
 
 def coming() -> "Template | None":
     """For a job started within :func:`not_waiting`: the template its own thread forks its ranks from once it is
-    ready (:meth:`Template.ready_for`), rather than the caller waiting for it (it may be importing torch, or a
-    library, and each fork takes tens of milliseconds) or the ranks starting fresh beside it, each importing torch
-    again; None when templates are off or it failed, or the caller may wait."""
+    ready (:meth:`Template.ready_for`), rather than the caller waiting for it (it may be importing torch, and each
+    fork takes tens of milliseconds) or the ranks starting fresh beside it, each importing torch again; None when
+    templates are off or it failed, or it is importing a library of the notebook's (:meth:`importing_a_library`:
+    fresh ranks are sooner), or the caller may wait."""
     if not getattr(_waiting, "off", False) or not enabled():
         return None
     with _lock:
         template = _current
-    return template if template is not None and template.proc.poll() is None else None
+    if template is None or template.proc.poll() is not None:
+        return None
+    if template.importing_a_library():
+        log.debug("rank template importing a library of the notebook's: ranks start fresh")
+        return None
+    return template
 
 
 def for_job() -> "Template | None":

@@ -213,10 +213,68 @@ def test_reports_to_a_broken_channel_are_dropped_in_the_call(in_rank):
     run."""
     metrics.report(step=1, loss=1.0)
     in_rank.broken = True
-    batch = metrics._open_batch
     for step in range(2, 1000):
         metrics.report(step=step, loss=1.0)
-    assert len(batch.reports) == 1 and len(in_rank.queued) == 1
+    assert len(in_rank.queued) == 1
+    assert [r["x"] for _, body in in_rank.sent for r in protocol.expand_reports(body["reports"])] == [1]
+
+
+def test_reports_from_several_threads_racing_the_sender_each_arrive_once_and_in_order(monkeypatch):
+    """report() appends to the calls with no lock while the sender thread takes them from the front: windows of a
+    millisecond make the sender take calls while four threads report, 20,000 reports each, the threads switching
+    at nearly every bytecode, and every report arrives, once, in the order its thread made it."""
+    import socket
+
+    from ddp_notebook.wire.channel import Connection, Sender
+
+    monkeypatch.setattr(metrics, "BATCH_WINDOW_S", 0.001)
+    monkeypatch.setattr(metrics, "BUSY_BATCH_WINDOW_S", 0.001)
+    monkeypatch.setattr(metrics, "_window_s", 0.001)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch at nearly every bytecode: a window between two steps is hit)
+    ours, theirs = socket.socketpair()
+    sender, reader = Sender(Connection(ours)), Connection(theirs)
+    received, messages = [], []
+
+    def read():
+        while True:
+            try:
+                kind, body = reader.recv()
+            except (EOFError, OSError):
+                return
+            messages.append(kind)
+            received.extend(protocol.expand_reports(body["reports"]))
+
+    reading = threading.Thread(target=read, daemon=True)
+    reading.start()
+    metrics.begin_task()
+    context.set_current(context.RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, sender=sender))
+    try:
+        start = threading.Barrier(4)
+
+        def reporting(thread):
+            start.wait()
+            for i in range(20_000):
+                metrics.report(epoch=i, **{f"thread{thread}": float(i)})
+                if i % 500 == 0:
+                    time.sleep(0.001)  # (the sender takes batches while the threads report, and between)
+
+        threads = [threading.Thread(target=reporting, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        metrics.hurry()
+        sender.close()
+        reading.join(10)
+    finally:
+        sys.setswitchinterval(switch_interval)
+        context.set_current(None)
+        metrics.begin_task()
+    for thread in range(4):
+        name = f"thread{thread}"
+        assert [r["values"][name] for r in received if name in r["values"]] == [float(i) for i in range(20_000)]
+    assert len(received) == 80_000 and set(messages) == {protocol.METRIC} and len(messages) > 3
 
 
 def test_a_message_that_cannot_be_pickled_is_dropped_with_a_note_and_the_channel_goes_on(capfd):

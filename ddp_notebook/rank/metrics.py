@@ -62,50 +62,56 @@ class _Axis:
 
 
 _step_axis = _Axis()
-_batch_lock = threading.Lock()
-_open_batch: "_Batch | None" = None
+_calls: list = []  # report()'s calls not yet taken by a batch; the one list for good (see _Batch)
+_queued: "_Batch | None" = None  # the batch in the sender's queue that has not yet taken the calls, if any
 _window_s = BATCH_WINDOW_S  # the next batch's
 _hurry = threading.Event()  # set: the batch being waited on leaves at once (the task ends)
 
 
 class _Batch:
-    """Reports queued for the sender thread as one ``metric`` event, which takes more until it is sent.
+    """Reports queued for the sender thread as one ``metric`` event, which takes the calls made until it is sent.
 
     The sender thread pickles each event when its turn comes.  For a batch it
     first waits ``BATCH_WINDOW_S`` (the training loop goes on meanwhile and its
-    reports join the batch), then seals it under the lock, makes the calls into
+    reports join ``_calls``), then takes every call made so far, makes them into
     records (their steps placed on the task's axis, in order) and packs them;
-    later reports start a new batch.  Once a batch holds ``BUSY_BATCH`` reports
+    a later report queues a new batch.  Once a batch holds ``BUSY_BATCH`` reports
     or more, the next waits ``BUSY_BATCH_WINDOW_S``, until one holds fewer.  So a loop reporting
     1,000 times a second wakes the sender and the notebook twice a second
     instead of 1,000 (four times a second cost the kernel's message handling a
     third more CPU), a lone report leaves within 50 ms, and none is left
-    behind: every batch is in the sender's queue before ``report()`` returns,
-    and the worker flushes that queue.  It arrives in the notebook as a plain
-    ``{"reports": [...]}`` dict, alike reports packed in runs (``protocol.pack_reports``),
-    with ``rank_stats`` (``timing.take()``: where the rank's time went since the last
-    batch, read as the batch is sealed, off the training loop) when its loader timed
-    batches meanwhile.
+    behind: a batch that has not taken the calls is in the sender's queue
+    whenever ``report()`` returns, and the worker flushes that queue.  It arrives
+    in the notebook as a plain ``{"reports": [...]}`` dict, alike reports packed in
+    runs (``protocol.pack_reports``), with ``rank_stats`` (``timing.take()``: where
+    the rank's time went since the last batch, read as the batch is made, off the
+    training loop) when its loader timed batches meanwhile.
+
+    What the training loop pays for is an append to ``_calls``, with no lock: the
+    list is never replaced, and the sender takes calls from its front (``del
+    _calls[:n]``) while appends go to its end, each one step under the GIL.  A
+    call that comes after the batch stopped waiting and before it took the calls
+    queues another batch that may find none; it is sent as an empty ``reports``.
     """
 
-    __slots__ = ("reports", "sealed", "sender", "axis", "made")
+    __slots__ = ("sender", "axis", "made")
 
     def __init__(self, sender, axis: _Axis):
-        self.reports: list[tuple] = []  # report()'s calls as it took them: made into records here, off the loop
-        self.sealed = False
         self.sender = sender
         self.axis = axis  # the task's step axis, which the calls' steps are placed on, in order, by this thread
         self.made = None  # what the batch pickles as, once made (its steps are placed on the axis once)
 
     def __reduce__(self):
-        global _window_s
+        global _window_s, _queued
         if self.made is not None:
             return self.made
         _hurry.wait(_window_s)
-        with _batch_lock:
-            self.sealed = True
-            calls = list(self.reports)
-        _window_s = BUSY_BATCH_WINDOW_S if len(calls) >= BUSY_BATCH else BATCH_WINDOW_S
+        if _queued is self:
+            _queued = None  # (before taking: a call from now on queues the next batch)
+        taken = len(_calls)
+        calls = _calls[:taken]
+        del _calls[:taken]
+        _window_s = BUSY_BATCH_WINDOW_S if taken >= BUSY_BATCH else BATCH_WINDOW_S
         fields = [("reports", protocol.pack_reports([_record(self.axis, call) for call in calls]))]
         rank_stats = timing.take()  # where this rank's time went since the last batch: once a batch, not a report
         if rank_stats is not None:
@@ -162,7 +168,8 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
     it over ranks instead.  Outside a job it prints one line and does nothing else.
     """
     global _implicit_step
-    profiling.step()  # (a --profile window counts report() calls where no loader counts batches)
+    if profiling.steps_by_calls:
+        profiling.step()  # (a --profile window counts report() calls where no loader counts batches)
     summed = None
     for value in metrics.values():
         if type(value) is not float and type(value) is not int:  # (plain numbers: the keywords' own dict is sent)
@@ -170,18 +177,21 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
             break
     else:
         values = metrics
+    # (each number read by _number unless a plain int or float already: the call is the training loop's)
     if step is not None:
-        key, x, total = "step", _number("step", step), steps
+        key, total = "step", steps
+        x = step if type(step) is int or type(step) is float else _number("step", step)
+        _implicit_step = x  # (the user's numbering)
+        if epoch is not None:
+            epoch = _number("epoch", epoch)
     elif epoch is not None:
-        key, x, total = "epoch", _number("epoch", epoch), epochs
+        key, total = "epoch", epochs
+        x = epoch if type(epoch) is int or type(epoch) is float else _number("epoch", epoch)
     else:
         key, x, total = "step", _implicit_step + 1, steps
-    if key == "step":
-        _implicit_step = x  # (the user's numbering)
-    if total is not None:
+        _implicit_step = x
+    if total is not None and type(total) is not int and type(total) is not float:
         total = _number(TOTAL_KEYS[key], total)  # (a tensor kept as given would be added to when a pass starts)
-    if epoch is not None and key == "step":
-        epoch = _number("epoch", epoch)
     if n is not None:
         n = _number("n", n)
     ctx = context.current()
@@ -195,18 +205,12 @@ def report(*, epoch: float | None = None, step: float | None = None, epochs: int
             print(format_record(record))
         return
     # What the loop pays for: the call, kept as given; the record is made by the sender thread (_record).
-    call = (key, x, total, epoch, n, summed, values)
     sender = ctx.sender
-    if sender.broken:  # (the notebook is gone: a batch would never be sent, nor sealed)
+    if sender.broken:  # (the notebook is gone: a batch would never be sent, nor take the calls)
         return
-    with _batch_lock:
-        batch = _open_batch
-        fresh = batch is None or batch.sealed or batch.sender is not sender or batch.axis is not _step_axis
-        if fresh:
-            batch = _new_batch(sender)
-        batch.reports.append(call)
-    if fresh:
-        sender.send(protocol.METRIC, batch)
+    _calls.append((key, x, total, epoch, n, summed, values))
+    if _queued is None:
+        _queue_batch(sender)
 
 
 def _record(axis: _Axis, call: tuple) -> dict:
@@ -231,17 +235,19 @@ def _record(axis: _Axis, call: tuple) -> dict:
 
 def begin_task() -> None:
     """A task starts: its reports' steps start afresh (a warm pool's rank runs one task after another)."""
-    global _implicit_step, _step_axis
+    global _implicit_step, _step_axis, _queued
     _implicit_step = 0
     _step_axis = _Axis()
+    _queued = None  # (the last task's batches have left: the worker flushed the sender at its end)
+    _calls.clear()
 
 
-def _new_batch(sender) -> _Batch:
-    """A batch for the reports from now on (called holding ``_batch_lock``)."""
-    global _open_batch
-    _open_batch = _Batch(sender, _step_axis)
+def _queue_batch(sender) -> None:
+    """Queue a batch to take the calls made from now on (``report()``, when none is queued)."""
+    global _queued
+    _queued = batch = _Batch(sender, _step_axis)
     _hurry.clear()
-    return _open_batch
+    sender.send(protocol.METRIC, batch)
 
 
 def hurry() -> None:

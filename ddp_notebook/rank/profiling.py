@@ -32,6 +32,7 @@ _trace: bytes | None = None  # the window's Chrome trace, once it has ended earl
 _original_prepare = None  # torch.autograd.profiler.profile._prepare_trace while ours runs (see _give_way_to_others)
 _steps_from_loader = False  # a loader steps the window: report() and progress() leave it alone
 _clock_offset_ns = 0
+steps_by_calls = False  # a window runs that report() and progress() move on (read in their calls: no function call)
 
 
 def start(options: dict, cuda: bool = False) -> None:
@@ -40,7 +41,7 @@ def start(options: dict, cuda: bool = False) -> None:
 
     ``clock_ns`` is the notebook's ``time.time_ns()`` as it sent the task; on another host than the notebook's,
     its difference to this rank's clock (message latency included) aligns this rank's trace."""
-    global _profiler, _steps_from_loader, _clock_offset_ns, _trace
+    global _profiler, _steps_from_loader, _clock_offset_ns, _trace, steps_by_calls
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -58,6 +59,7 @@ def start(options: dict, cuda: bool = False) -> None:
     _profiler.trace = None
     _give_way_to_others()
     _profiler.start()
+    steps_by_calls = True
 
 
 def _give_way_to_others() -> None:
@@ -99,8 +101,9 @@ def _keep_trace(prof) -> None:
 
 def step_by_loader() -> None:
     """A loader starts an epoch: from now on its batches are the steps, not ``report()`` or ``progress()``."""
-    global _steps_from_loader
+    global _steps_from_loader, steps_by_calls
     _steps_from_loader = True
+    steps_by_calls = False
 
 
 def step(from_loader: bool = False) -> None:
@@ -127,8 +130,9 @@ def data_wait():
 
 def stop() -> bytes | None:
     """End this task's profiling; the Chrome trace (JSON) of the window, or None (no step reached it)."""
-    global _profiler, _original_prepare
+    global _profiler, _original_prepare, steps_by_calls
     prof, _profiler = _profiler, None
+    steps_by_calls = False
     if prof is None:
         return None
     if _original_prepare is not None:

@@ -30,10 +30,13 @@
    arms a torch ``DataLoader`` with a ``DistributedSampler`` (the ``mp.spawn``
    recipe's), a ``distributed_loader`` (timed batches, the graceful stop's
    boundaries) and a ``distributed_loader`` with ``report()`` every step.
+   ``--before-report REV``: a fourth arm, the ``report()`` of another git
+   revision imported beside today's in the same ranks (its own batches and
+   sender work): a change to ``report()`` measured in the same rounds.
 
     .venv/bin/python benchmarks/bench_report.py [--ranks 1 2] [--block-s 2] [--pairs 4]
     .venv/bin/python benchmarks/bench_report.py --mlp [--mlp-steps 4000] [--mlp-pairs 3] [--long-steps 100000]
-    .venv/bin/python benchmarks/bench_report.py --mlp-blocks [--loader] [--block-steps 1000] [--rounds 30]
+    .venv/bin/python benchmarks/bench_report.py --mlp-blocks [--loader | --before-report REV] [--block-steps 1000] [--rounds 30]
 
 Prints a Markdown summary; figures of a run are kept in benchmarks/RESULTS_report.md.
 """
@@ -175,12 +178,13 @@ MLP_BLOCKS = """\
 import json, random, time, psutil, torch
 """ + _MLP_MODEL + """
 front = psutil.Process(kernel.ppid())  # the front end: here the benchmark's own process (a Jupyter client)
-total = {rounds} * 3 * {block_steps}
 
 def nothing(**metrics):
     pass
 
 calls = {{"plain": None, "noop": nothing, "report": report}}
+{before_arm}
+total = {rounds} * len(calls) * {block_steps}
 for _ in range(200):
     train_step()
 blocks = {{arm: [] for arm in calls}}
@@ -192,7 +196,8 @@ for round_ in range({rounds}):
         call = calls[arm]
         dist.barrier()
         front_cpu = sum(front.cpu_times()[:2])
-        kernel_cpu, cpu, started = sum(kernel.cpu_times()[:2]), time.process_time(), time.perf_counter()
+        kernel_cpu, cpu, loop_cpu = sum(kernel.cpu_times()[:2]), time.process_time(), time.thread_time()
+        started = time.perf_counter()
         if call is None:
             for _ in range({block_steps}):
                 loss = train_step()
@@ -203,10 +208,15 @@ for round_ in range({rounds}):
                 step += 1
                 call(step=step, steps=total, loss=loss)
         blocks[arm].append((time.perf_counter() - started, time.process_time() - cpu,
-                            sum(kernel.cpu_times()[:2]) - kernel_cpu, sum(front.cpu_times()[:2]) - front_cpu))
+                            sum(kernel.cpu_times()[:2]) - kernel_cpu, sum(front.cpu_times()[:2]) - front_cpu,
+                            time.thread_time() - loop_cpu))
 with open({out!r} + f"-{{rank}}.json", "w") as handle:  # (a long line printed would reach the notebook trimmed)
     json.dump(blocks, handle)
 """
+# --before-report REV: a fourth arm, the report() of another revision, imported beside today's in the same ranks
+BEFORE_ARM = """\
+from ddp_notebook.rank import metrics_before
+calls["before"] = metrics_before.report"""
 
 # Part 5 with a loader (``--loader``): the same blocks, each an epoch of its arm's loader.  "plain" is torch's
 # DataLoader with a DistributedSampler, "noop" a distributed_loader, "report" a distributed_loader with report()
@@ -269,6 +279,23 @@ def _bootstrap_mean(values: list, draws: int = 10_000) -> tuple:
     return statistics.fmean(values), means[int(draws * 0.025)], means[int(draws * 0.975) - 1]
 
 
+def _bootstrap_summed_ratio(arm: list, baseline: list, draws: int = 10_000) -> tuple:
+    """The arm's total time over the baseline's, the rounds paired (what the loop as a whole pays), and its 95%
+    bootstrap interval, rounds resampled (seeded).  The mean of per-round ratios leans high where the baseline's
+    blocks are noisy (a slow baseline block makes a small ratio, a fast one a large ratio, and the large ones weigh
+    more): the A/A arm shows by how much."""
+    import random
+
+    generator = random.Random(0)
+    rounds = range(len(arm))
+    ratios = []
+    for _ in range(draws):
+        picked = generator.choices(rounds, k=len(arm))
+        ratios.append(sum(arm[i] for i in picked) / sum(baseline[i] for i in picked))
+    ratios.sort()
+    return sum(arm) / sum(baseline), ratios[int(draws * 0.025)], ratios[int(draws * 0.975) - 1]
+
+
 def _quantile(values: list, q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -307,8 +334,33 @@ def _kernel_cells(args, timeout: float):
         km.shutdown_kernel(now=True)
 
 
+def _package_with_report_before(args, folder: str) -> str:
+    """A copy of the package under test whose ``rank/metrics_before.py`` is ``rank/metrics.py`` of revision
+    ``args.before_report``: a rank imports both, each with its own batches and sender thread's work."""
+    import shutil
+    import subprocess
+
+    copy = os.path.join(folder, "package")
+    shutil.copytree(os.path.join(args.package or ROOT, "ddp_notebook"), os.path.join(copy, "ddp_notebook"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    source = subprocess.run(["git", "show", f"{args.before_report}:ddp_notebook/rank/metrics.py"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout
+    with open(os.path.join(copy, "ddp_notebook", "rank", "metrics_before.py"), "w") as handle:
+        handle.write(source)
+    return copy
+
+
 def mlp_blocks_benchmark(args) -> None:
     """Part 5: report() against no call and against a no-op call, blocks of one job in shuffled rounds."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as copies:
+        if args.before_report:
+            args.package = _package_with_report_before(args, copies)
+        _mlp_blocks(args)
+
+
+def _mlp_blocks(args) -> None:
     with _kernel_cells(args, 3600) as cell:
         cell("%load_ext ddp_notebook")
         if args.kernel_setup:
@@ -321,7 +373,8 @@ def mlp_blocks_benchmark(args) -> None:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "blocks")
             cell((MLP_LOADER_BLOCKS if args.loader else MLP_BLOCKS).format(
-                kernel_pid=kernel_pid, rounds=args.rounds, block_steps=args.block_steps, out=out))
+                kernel_pid=kernel_pid, rounds=args.rounds, block_steps=args.block_steps, out=out,
+                before_arm=BEFORE_ARM if args.before_report else ""))
             rows = {}
             for rank in (0, 1):
                 with open(f"{out}-{rank}.json") as handle:
@@ -337,17 +390,16 @@ def mlp_blocks_benchmark(args) -> None:
         print(f"block wall time, median: {names['plain']} {statistics.median(wall['plain']):.3f} s, {names['noop']} "
               f"{statistics.median(wall['noop']):.3f} s, {names['report']} {statistics.median(wall['report']):.3f} s "
               f"({args.block_steps / statistics.median(wall['plain']):,.0f} steps/s)\n")
-        print(f"| per round, ratio to the {names['plain']} block | mean [95% bootstrap interval] | median | range |")
-        print("|---|---|---|---|")
-        for arm, name in (("noop", names["noop"]), ("report", names["report"])):
-            ratios = [b / a for a, b in zip(wall["plain"], wall[arm])]
+        print(f"| ratio to the {names['plain']} blocks | summed: total time [95% bootstrap over rounds] | "
+              "per round: mean [95% bootstrap interval] | median | range |")
+        print("|---|---|---|---|---|")
+        for arm, base, name in (("noop", "plain", names["noop"]), ("report", "plain", names["report"]),
+                                ("report", "noop", f"{names['report']} against {names['noop']}")):
+            ratios = [b / a for a, b in zip(wall[base], wall[arm])]
             mean, low, high = _bootstrap_mean(ratios)
-            print(f"| {name} | {mean:.4f} [{low:.4f}, {high:.4f}] | {statistics.median(ratios):.4f} | "
-                  f"{min(ratios):.3f}–{max(ratios):.3f} |")
-        ratios = [b / a for a, b in zip(wall["noop"], wall["report"])]
-        mean, low, high = _bootstrap_mean(ratios)
-        print(f"| {names['report']} against {names['noop']} | {mean:.4f} [{low:.4f}, {high:.4f}] | "
-              f"{statistics.median(ratios):.4f} | {min(ratios):.3f}–{max(ratios):.3f} |")
+            summed, summed_low, summed_high = _bootstrap_summed_ratio(wall[arm], wall[base])
+            print(f"| {name} | **{summed:.4f}** [{summed_low:.4f}, {summed_high:.4f}] | {mean:.4f} [{low:.4f}, "
+                  f"{high:.4f}] | {statistics.median(ratios):.4f} | {min(ratios):.3f}–{max(ratios):.3f} |")
         print("\nEach block's time is the loop's own plus what other processes took from it, which only adds: the "
               "lower quantiles of an arm's blocks are the least disturbed ones. Ratio to the no-call blocks' (95% "
               "bootstrap interval, blocks resampled within each arm):\n")
@@ -377,6 +429,27 @@ def mlp_blocks_benchmark(args) -> None:
         print(f"- the front end's CPU (this benchmark's Jupyter client, which receives the cell's output), % of a "
               f"core: {names['report']} {front['report'] * 100:.2f}%, {names['noop']} {front['noop'] * 100:.2f}%, "
               f"{names['plain']} {front['plain'] * 100:.2f}%")
+        if "before" in zero:
+            _before_rows(args, rows, wall)
+
+
+def _before_rows(args, rows: dict, wall: dict) -> None:
+    """The fourth arm's rows: the report() of ``args.before_report`` against no call and against today's."""
+    before = f"report() of {args.before_report}"
+    print(f"\n### {before}, a fourth arm in the same rounds\n")
+    print("| summed ratio [95% bootstrap over rounds] | block wall time | rank 0's loop thread CPU | "
+          "rank 1's loop thread CPU |")
+    print("|---|---|---|---|")
+    for arm, base, name in (("before", "plain", f"{before} / no call"), ("report", "plain", "report() / no call"),
+                            ("report", "before", f"report() / {before}")):
+        cells = [_bootstrap_summed_ratio(wall[arm], wall[base])]
+        for rank in (0, 1):
+            loop = {a: [b[4] for b in rows[rank][a]] for a in rows[rank]}
+            cells.append(_bootstrap_summed_ratio(loop[arm], loop[base]))
+        print(f"| {name} | " + " | ".join(f"{m:.4f} [{lo:.4f}, {hi:.4f}]" for m, lo, hi in cells) + " |")
+    kernel = {arm: sum(b[2] for b in rows[0][arm]) / sum(wall[arm]) for arm in rows[0]}
+    print(f"\nkernel CPU during the blocks, % of a core: report() {kernel['report'] * 100:.2f}%, {before} "
+          f"{kernel['before'] * 100:.2f}%, no call {kernel['plain'] * 100:.2f}%")
 
 
 # --frames: how live the figure stays.  Every figure the dashboard renders is noted in the kernel (when, whether drawn
@@ -639,7 +712,11 @@ def main() -> None:
                         "settings to compare, e.g. 'from ddp_notebook.notebook import dashboard; "
                         "dashboard.DRAW_SHARE = 0'")
     parser.add_argument("--package", help="import ddp_notebook from this checkout in the kernel (part 4)")
+    parser.add_argument("--before-report", metavar="REV",
+                        help="part 5: a fourth arm, the report() of this git revision, beside today's in the same job")
     args = parser.parse_args()
+    if args.before_report and (args.loader or not args.mlp_blocks):
+        parser.error("--before-report is a fourth arm of --mlp-blocks without --loader")
     if args.frames:
         print(f"machine: {machine()}\n")
         frames_benchmark(args)

@@ -7,7 +7,7 @@ communication hook (DDP's default all-reduce, timed) measures how long this
 rank's gradients wait in the all-reduce for the others.  Under DDP every rank's
 step lasts as long as the slowest one's: the straggler is the rank the others wait
 for.  The totals since the last batch of reports ride on the next batch (its
-``rank_stats``, read by the sender thread as the batch is sealed); nothing else is sent.
+``rank_stats``, read by the sender thread as it makes the batch); nothing else is sent.
 """
 from __future__ import annotations
 

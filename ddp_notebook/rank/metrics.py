@@ -1,8 +1,8 @@
 """Rank side of live metrics: ``report()`` and ``progress()``.
 
-``report()`` checks its arguments and keeps the call, as given, in a batch that
-the channel's sender thread turns into records and sends (``_record``), so the
-training loop pays for little more than the call.  The notebook reduces the
+``report()`` checks its arguments and appends the call, as given, to a list
+that the channel's sender thread takes in batches, turns into records
+(``_record``) and sends, so the training loop pays for little more than the call.  The notebook reduces the
 reports over all ranks (``engine/history.py``) and draws them
 (``notebook/dashboard.py``).  Rank side: no IPython, ipywidgets or matplotlib
 here.

@@ -53,6 +53,7 @@ def in_rank():
     context.set_current(context.RankContext(rank=1, local_rank=1, world_size=2, local_world_size=2, sender=sender))
     yield sender
     context.set_current(None)
+    metrics.begin_task()  # (a batch this test left queued is not the next test's)
 
 
 def test_report_outside_a_job_prints_one_line():
@@ -230,8 +231,6 @@ def test_reports_from_several_threads_racing_the_sender_each_arrive_once_and_in_
     monkeypatch.setattr(metrics, "BATCH_WINDOW_S", 0.001)
     monkeypatch.setattr(metrics, "BUSY_BATCH_WINDOW_S", 0.001)
     monkeypatch.setattr(metrics, "_window_s", 0.001)
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # (threads switch at nearly every bytecode: a window between two steps is hit)
     ours, theirs = socket.socketpair()
     sender, reader = Sender(Connection(ours)), Connection(theirs)
     received, messages = [], []
@@ -249,7 +248,9 @@ def test_reports_from_several_threads_racing_the_sender_each_arrive_once_and_in_
     reading.start()
     metrics.begin_task()
     context.set_current(context.RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, sender=sender))
+    switch_interval = sys.getswitchinterval()
     try:
+        sys.setswitchinterval(1e-6)  # (threads switch at nearly every bytecode: a window between two steps is hit)
         start = threading.Barrier(4)
 
         def reporting(thread):
@@ -267,6 +268,7 @@ def test_reports_from_several_threads_racing_the_sender_each_arrive_once_and_in_
         metrics.hurry()
         sender.close()
         reading.join(10)
+        assert not reading.is_alive()
     finally:
         sys.setswitchinterval(switch_interval)
         context.set_current(None)
@@ -275,6 +277,37 @@ def test_reports_from_several_threads_racing_the_sender_each_arrive_once_and_in_
         name = f"thread{thread}"
         assert [r["values"][name] for r in received if name in r["values"]] == [float(i) for i in range(20_000)]
     assert len(received) == 80_000 and set(messages) == {protocol.METRIC} and len(messages) > 3
+
+
+def test_a_batch_of_the_last_task_still_queued_as_the_next_starts_takes_only_the_last_task_s_reports(in_rank):
+    """A warm pool's rank starts its next task while a batch of the last one may still wait in the sender's queue
+    (a thread of the cell that reported after the task's end queued it): it took the new task's reports and placed
+    them on the last task's axis, with a false "went back" to the notebook."""
+    metrics.report(step=5, loss=1.0)
+    metrics.report(step=6, loss=1.0)
+    metrics.begin_task()  # the next task; the batch above is not sent yet
+    metrics.report(step=1, loss=2.0)
+    metrics.report(step=2, loss=2.0)
+    batches = [list(protocol.expand_reports(body["reports"])) for _, body in in_rank.sent]
+    assert [[(r["x"], r.get("went_back")) for r in batch] for batch in batches] == [
+        [(5, None), (6, None)], [(1, None), (2, None)]]
+
+
+def test_a_batch_that_found_no_reports_reaches_no_callback_nor_view():
+    """A report that comes as a batch takes the calls queues another batch, which may find none: that one must not
+    count as the job's first report (a dashboard opened for a cell that reports nothing)."""
+    forwarded = []
+
+    class Subscriber:
+        def metrics_updated(self, updates):
+            forwarded.append(updates)
+
+    metrics_of_run = Metrics(2)
+    metrics_of_run.subscribe(Subscriber())
+    metrics_of_run(None, protocol.METRIC, 0, {"reports": []})
+    assert forwarded == []
+    metrics_of_run(None, protocol.METRIC, 0, {"reports": [{"key": "step", "x": 1, "values": {"loss": 1.0}}]})
+    assert len(forwarded) == 1
 
 
 def test_a_message_that_cannot_be_pickled_is_dropped_with_a_note_and_the_channel_goes_on(capfd):

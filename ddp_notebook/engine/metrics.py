@@ -128,6 +128,8 @@ class Metrics:
                 print(f"ddp_notebook: the metrics failed on a {kind!r} event: {exc!r}", file=sys.stderr)
 
     def _reports(self, rank: int, reports: list, rank_stats: dict | None) -> None:
+        if not reports and rank_stats is None:  # (a rank's batch that found its reports taken by the one before)
+            return
         with self._forwarding:
             with self.lock:
                 updates = self.reducer.add_many(rank, reports)

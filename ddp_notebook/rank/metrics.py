@@ -62,7 +62,7 @@ class _Axis:
 
 
 _step_axis = _Axis()
-_calls: list = []  # report()'s calls not yet taken by a batch; the one list for good (see _Batch)
+_calls: list = []  # report()'s calls not yet taken by a batch: this task's list (see _Batch)
 _queued: "_Batch | None" = None  # the batch in the sender's queue that has not yet taken the calls, if any
 _window_s = BATCH_WINDOW_S  # the next batch's
 _hurry = threading.Event()  # set: the batch being waited on leaves at once (the task ends)
@@ -81,24 +81,30 @@ class _Batch:
     instead of 1,000 (four times a second cost the kernel's message handling a
     third more CPU), a lone report leaves within 50 ms, and none is left
     behind: a batch that has not taken the calls is in the sender's queue
-    whenever ``report()`` returns, and the worker flushes that queue.  It arrives
+    whenever ``report()`` returns on the thread that queued it (another thread's
+    call may return as that thread queues it), and the worker flushes that queue
+    at the task's end.  It arrives
     in the notebook as a plain ``{"reports": [...]}`` dict, alike reports packed in
     runs (``protocol.pack_reports``), with ``rank_stats`` (``timing.take()``: where
     the rank's time went since the last batch, read as the batch is made, off the
     training loop) when its loader timed batches meanwhile.
 
-    What the training loop pays for is an append to ``_calls``, with no lock: the
-    list is never replaced, and the sender takes calls from its front (``del
-    _calls[:n]``) while appends go to its end, each one step under the GIL.  A
-    call that comes after the batch stopped waiting and before it took the calls
-    queues another batch that may find none; it is sent as an empty ``reports``.
+    What the training loop pays for is an append to ``_calls``, with no lock: a
+    task's list is not replaced while the task runs, and the sender takes calls
+    from its front (``del calls[:n]``) while appends go to its end, each one step
+    under the GIL.  A call that comes after the batch stopped waiting and before
+    it took the calls queues another batch that may find none: it is sent with
+    no reports, which the notebook passes over.  Each task has its own list and
+    axis (``begin_task``): a batch of the last task still queued as the next one
+    starts takes only the last task's calls.
     """
 
-    __slots__ = ("sender", "axis", "made")
+    __slots__ = ("sender", "axis", "calls", "made")
 
-    def __init__(self, sender, axis: _Axis):
+    def __init__(self, sender, axis: _Axis, calls: list):
         self.sender = sender
         self.axis = axis  # the task's step axis, which the calls' steps are placed on, in order, by this thread
+        self.calls = calls  # the task's calls, which this batch takes from
         self.made = None  # what the batch pickles as, once made (its steps are placed on the axis once)
 
     def __reduce__(self):
@@ -108,10 +114,11 @@ class _Batch:
         _hurry.wait(_window_s)
         if _queued is self:
             _queued = None  # (before taking: a call from now on queues the next batch)
-        taken = len(_calls)
-        calls = _calls[:taken]
-        del _calls[:taken]
-        _window_s = BUSY_BATCH_WINDOW_S if taken >= BUSY_BATCH else BATCH_WINDOW_S
+        taken = len(self.calls)
+        calls = self.calls[:taken]
+        del self.calls[:taken]
+        if taken:  # (a batch that found none says nothing of how busy the loop is)
+            _window_s = BUSY_BATCH_WINDOW_S if taken >= BUSY_BATCH else BATCH_WINDOW_S
         fields = [("reports", protocol.pack_reports([_record(self.axis, call) for call in calls]))]
         rank_stats = timing.take()  # where this rank's time went since the last batch: once a batch, not a report
         if rank_stats is not None:
@@ -235,17 +242,17 @@ def _record(axis: _Axis, call: tuple) -> dict:
 
 def begin_task() -> None:
     """A task starts: its reports' steps start afresh (a warm pool's rank runs one task after another)."""
-    global _implicit_step, _step_axis, _queued
+    global _implicit_step, _step_axis, _queued, _calls
     _implicit_step = 0
     _step_axis = _Axis()
-    _queued = None  # (the last task's batches have left: the worker flushed the sender at its end)
-    _calls.clear()
+    _calls = []  # (a call of the last task's from a thread still running is left to that task's batch, or dropped)
+    _queued = None
 
 
 def _queue_batch(sender) -> None:
     """Queue a batch to take the calls made from now on (``report()``, when none is queued)."""
     global _queued
-    _queued = batch = _Batch(sender, _step_axis)
+    _queued = batch = _Batch(sender, _step_axis, _calls)
     _hurry.clear()
     sender.send(protocol.METRIC, batch)
 

@@ -32,7 +32,7 @@ _trace: bytes | None = None  # the window's Chrome trace, once it has ended earl
 _original_prepare = None  # torch.autograd.profiler.profile._prepare_trace while ours runs (see _give_way_to_others)
 _steps_from_loader = False  # a loader steps the window: report() and progress() leave it alone
 _clock_offset_ns = 0
-steps_by_calls = False  # a window runs that report() and progress() move on (read in their calls: no function call)
+steps_by_calls = False  # a window runs that report() and progress() move on (report() reads it: no function call)
 
 
 def start(options: dict, cuda: bool = False) -> None:

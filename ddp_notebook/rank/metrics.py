@@ -99,10 +99,9 @@ class _Batch:
     starts takes only the last task's calls.
     """
 
-    __slots__ = ("sender", "axis", "calls", "made")
+    __slots__ = ("axis", "calls", "made")
 
-    def __init__(self, sender, axis: _Axis, calls: list):
-        self.sender = sender
+    def __init__(self, axis: _Axis, calls: list):
         self.axis = axis  # the task's step axis, which the calls' steps are placed on, in order, by this thread
         self.calls = calls  # the task's calls, which this batch takes from
         self.made = None  # what the batch pickles as, once made (its steps are placed on the axis once)
@@ -252,7 +251,7 @@ def begin_task() -> None:
 def _queue_batch(sender) -> None:
     """Queue a batch to take the calls made from now on (``report()``, when none is queued)."""
     global _queued
-    _queued = batch = _Batch(sender, _step_axis, _calls)
+    _queued = batch = _Batch(_step_axis, _calls)
     _hurry.clear()
     sender.send(protocol.METRIC, batch)
 
